@@ -1,0 +1,46 @@
+"""Releases: bounded metric specs, noisy aggregates, regional reports, alerts.
+
+Public names (DESIGN.md "Public names"): ``MetricSpec``, ``aggregate_metric``,
+``AggregatedMetric``, ``regional_report``; the envelope names are re-exported
+below from ``clma.release.envelope``.
+"""
+
+from clma.release.aggregate import (
+    AggregatedMetric,
+    BelowCohortFloor,
+    MetricSpec,
+    ParticipantBand,
+    RegionalReport,
+    SuppressedRegionBand,
+    SuppressedRelease,
+    aggregate_metric,
+    aggregate_sum,
+    participant_band,
+    participant_band_lower_edge,
+    region_seed,
+    regional_report,
+    suppressed_region_band,
+)
+
+__all__ = [
+    "AggregatedMetric",
+    "BelowCohortFloor",
+    "MetricSpec",
+    "ParticipantBand",
+    "RegionalReport",
+    "SuppressedRegionBand",
+    "SuppressedRelease",
+    "aggregate_metric",
+    "aggregate_sum",
+    "participant_band",
+    "participant_band_lower_edge",
+    "region_seed",
+    "regional_report",
+    "suppressed_region_band",
+]
+
+# --- envelope re-exports (owned by the envelope helper) -------------------
+# Add `from clma.release.envelope import ...` lines here and extend __all__:
+#   from clma.release.envelope import build_federated_metric_envelope  # noqa: E402
+#   __all__ += ["build_federated_metric_envelope"]
+# --- end envelope re-exports -----------------------------------------------
