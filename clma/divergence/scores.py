@@ -15,8 +15,10 @@ the same robust z and flagging, so both signals can be compared on the same runs
 Normalisation of ``d_l``: dividing the Frobenius norm by ``P`` makes ``d_l`` the root mean
 square of ``K^a - K^b`` over all ``P**2`` ordered probe pairs. ``d_l`` is then in ``[0, 1]``
 and does not grow with the probe size: duplicating every probe sample leaves it unchanged
-exactly, and for i.i.d. probes it estimates the same population quantity for any ``P``, so
-``beta`` has the same meaning for any probe size.
+exactly, and for i.i.d. probes ``d_l**2 * P / (P - 1)`` is an unbiased estimate of the mean
+squared affinity change over pairs of distinct inputs, whatever ``P`` (the diagonal of
+``K^a - K^b`` is always 0, hence the ``(P - 1) / P`` factor: 0.998 at ``P = 512``). So ``beta``
+has the same meaning for any probe size.
 """
 
 from __future__ import annotations
@@ -516,18 +518,25 @@ class RepresentationScorer:
 
 
 def cosine_distance_to_mean(
-    updates: np.ndarray, *, weights: np.ndarray | Sequence[float] | None = None
+    updates: np.ndarray,
+    *,
+    weights: np.ndarray | Sequence[float] | None = None,
+    leave_one_out: bool = False,
 ) -> np.ndarray:
     """Cosine distance ``1 - cos(u_c, u_bar)`` of each client's update to the mean update.
 
     ``u_bar`` is the mean of the rows (weighted by ``weights`` if given, e.g. example
-    counts), including the client itself. Computed in float64, one client at a time (memory
-    ``O(n_params)`` beyond the input). A zero update, or a zero mean update, has no direction:
-    its distance is defined as 1 (the value for orthogonal vectors).
+    counts), including the client itself unless ``leave_one_out`` (then ``u_bar`` for client
+    ``c`` is the mean of the *other* rows, so one large update cannot pull the mean towards
+    itself). Computed in float64, one client at a time (memory ``O(n_params)`` beyond the
+    input). A zero update, or a zero mean update, has no direction: its distance is defined
+    as 1 (the value for orthogonal vectors).
 
     Args:
         updates: ``(n_clients, n_params)`` float stack of client updates (local - global).
         weights: optional ``(n_clients,)`` non-negative finite weights with positive sum.
+        leave_one_out: exclude client ``c`` from the mean it is compared with (needs
+            ``n_clients >= 2``).
 
     Returns:
         ``(n_clients,)`` float64 distances in ``[0, 2]``.
@@ -543,23 +552,24 @@ def cosine_distance_to_mean(
         raise ValueError("updates must be finite (no NaN or inf)")
     n = updates.shape[0]
     if weights is None:
-        mean = np.mean(updates, axis=0, dtype=np.float64)
+        w = np.ones(n, dtype=np.float64)
     else:
         w = np.asarray(weights, dtype=np.float64)
         if w.shape != (n,) or not np.isfinite(w).all() or (w < 0).any() or w.sum() <= 0:
             raise ValueError("weights must be (n_clients,) finite, >= 0, with a positive sum")
-        mean = np.zeros(updates.shape[1], dtype=np.float64)
-        for i in range(n):
-            mean += w[i] * updates[i]
-        mean /= w.sum()
-    mean_norm = float(np.linalg.norm(mean))
+    if leave_one_out and n < 2:
+        raise ValueError("leave_one_out needs at least 2 clients in updates")
+    total = np.zeros(updates.shape[1], dtype=np.float64)
+    for i in range(n):
+        total += w[i] * updates[i]
     out = np.ones(n, dtype=np.float64)
-    if mean_norm == 0:
-        return out
     for i in range(n):
         u = updates[i].astype(np.float64)
+        mean = total - w[i] * u if leave_one_out else total
+        # the positive normaliser of the mean cancels in the cosine
+        mean_norm = float(np.linalg.norm(mean))
         u_norm = float(np.linalg.norm(u))
-        if u_norm > 0:
+        if u_norm > 0 and mean_norm > 0:
             cos = float(u @ mean) / (u_norm * mean_norm)
             out[i] = 1.0 - min(1.0, max(-1.0, cos))
     return out
@@ -571,6 +581,7 @@ def parameter_baseline(
     *,
     z_threshold: float = 3.0,
     weights: np.ndarray | Sequence[float] | None = None,
+    leave_one_out: bool = False,
 ) -> DivergenceReport:
     """Parameter-space baseline: cosine distance to the mean update, robust z, flagging.
 
@@ -579,6 +590,7 @@ def parameter_baseline(
         client_ids: ``n_clients`` distinct ids (int or str), row order; default ``0..n-1``.
         z_threshold: flag clients with robust z strictly above it (finite, > 0).
         weights: optional ``(n_clients,)`` weights of the mean update.
+        leave_one_out: compare each client with the mean of the others.
 
     Returns:
         A :class:`DivergenceReport` with ``method="parameter_cosine"``.
@@ -588,7 +600,7 @@ def parameter_baseline(
             or repeated.
     """
     z_threshold = _check_z_threshold(z_threshold)
-    dist = cosine_distance_to_mean(updates, weights=weights)
+    dist = cosine_distance_to_mean(updates, weights=weights, leave_one_out=leave_one_out)
     if client_ids is None:
         ids: list[ClientId] = list(range(updates.shape[0]))
     else:
