@@ -1,0 +1,382 @@
+"""CLMA cohorting of quarantined clients (Algorithm 3 of CLMA, with documented improvements).
+
+Published algorithm (Adarsh N L, Amarlingam, Sharma, CODS-COMAD 2024,
+doi 10.1145/3703323.3703341, Algorithm 3): for each quarantined client, the signed KS
+statistic of its parameter vector against the reference (the cohort model it started
+from); the sign splits the clients into two direction groups; within each group, PCA of the
+parameter vectors (uncentered, via the Gram matrix) keeping ``variance_threshold`` of the
+variance, then k-means with k = 2. That exact form is
+``CLMACohorter(center=False, clusterer=AutoKMeans(fixed_k=2))`` (its ``direction_rule``
+"auto" then resolves to "sign", i.e. the sign is always trusted).
+
+Defaults, and why they differ from the published form:
+
+* ``center=True``. Uncentered, the first component is the shared global component (the
+  common initialisation plus the common drift), it absorbs ~all the variance, and the 1-D
+  scores of *identically drifted* clients (which differ only by noise) look clusterable:
+  k-means splits one family in two. Centered PCA removes the shared component, so only
+  between-client structure remains (tested: identical drifts -> 1 cohort centered, > 1
+  uncentered with the silhouette rule).
+* ``AutoKMeans()`` (k by silhouette with a 0.25 floor) instead of k = 2: a direction group
+  may hold one family or several.
+* ``direction_rule="established"`` (what "auto" means when centering): the KS sign is only
+  trusted when the direction is statistically established, ``|D+ - D-|`` greater than the
+  asymptotic two-sample KS critical value at ``direction_alpha`` for the two sample sizes
+  (:func:`clma.cohort.ks.ks_critical_value`). A drift that only widens the parameter
+  distribution (zero-mean displacement) has ``D+ ~ D-`` and a sign that is noise; the
+  published rule then scatters each family over both sign groups (issue 3, item 6a: three
+  zero-mean families of four clients came out as ~6 cohorts). Such clients go to an
+  "undirected" group that is clustered like the others. Opposite mean shifts have a clear
+  gap and keep their sign groups.
+* ``min_ks_magnitude``: clients whose ``|signed KS|`` is below it are pooled in one
+  "no_shift" cohort (not clustered) instead of being forced into a direction group.
+
+Groups are processed in the order positive, negative, undirected, no_shift; the returned
+local cohort ids are contiguous from 0 in order of first appearance over ``client_ids``.
+"""
+
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Hashable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+from clma.cohort.clustering import AutoKMeans, Clusterer
+from clma.cohort.ks import (
+    KSComponents,
+    SortedReference,
+    ks_components_from_sorted,
+    ks_critical_value,
+)
+from clma.cohort.projection import DEFAULT_BLOCK_BYTES, gram_pca_details
+from clma.params.errors import NonFiniteParameterError, ParameterAlignmentError
+
+__all__ = [
+    "DIRECTIONS",
+    "CLMACohorter",
+    "CohortAssignment",
+    "Cohorter",
+    "GroupDiagnostics",
+    "validate_client_stack",
+]
+
+ClientId = Hashable
+DirectionRule = Literal["auto", "established", "sign"]
+DIRECTIONS = ("positive", "negative", "undirected", "no_shift")
+
+
+@dataclass(frozen=True)
+class GroupDiagnostics:
+    """What happened inside one direction group.
+
+    ``direction`` one of :data:`DIRECTIONS`; ``members`` client ids in input order;
+    ``cohort_ids`` the local cohort id of each member; ``n_components`` and
+    ``retained_variance`` of the Gram PCA (0 when not projected); ``k`` clusters found;
+    ``silhouettes`` k -> score for the k tried; ``reason`` how k was chosen.
+    """
+
+    direction: str
+    members: tuple[ClientId, ...]
+    cohort_ids: tuple[int, ...]
+    n_components: int
+    retained_variance: float
+    k: int
+    silhouettes: dict[int, float] = field(default_factory=dict)
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class CohortAssignment:
+    """Result of one cohorting call.
+
+    Attributes
+    ----------
+    assignments:
+        client id -> local cohort id (ints contiguous from 0, in order of first appearance).
+    ks_statistics:
+        client id -> signed KS statistic against the reference (see
+        :func:`clma.cohort.signed_ks_statistic`).
+    directions:
+        client id -> "positive" | "negative" | "undirected" | "no_shift".
+    d_plus, d_minus:
+        client id -> one-sided KS distances.
+    direction_threshold:
+        The ``|D+ - D-|`` critical value used ("established" rule), else None.
+    groups:
+        Per direction group diagnostics (:class:`GroupDiagnostics`).
+    """
+
+    assignments: dict[ClientId, int]
+    ks_statistics: dict[ClientId, float]
+    directions: dict[ClientId, str] = field(default_factory=dict)
+    d_plus: dict[ClientId, float] = field(default_factory=dict)
+    d_minus: dict[ClientId, float] = field(default_factory=dict)
+    direction_threshold: float | None = None
+    groups: tuple[GroupDiagnostics, ...] = ()
+
+    @property
+    def n_cohorts(self) -> int:
+        """Number of distinct local cohort ids."""
+        return len(set(self.assignments.values()))
+
+    def members(self, cohort_id: int) -> list[ClientId]:
+        """Client ids assigned to local cohort ``cohort_id`` (input order)."""
+        return [c for c, g in self.assignments.items() if g == cohort_id]
+
+    def groups_by_cohort(self) -> dict[int, list[ClientId]]:
+        """local cohort id -> member client ids (the shape ``CohortRegistry.split`` takes)."""
+        out: dict[int, list[ClientId]] = {}
+        for c, g in self.assignments.items():
+            out.setdefault(g, []).append(c)
+        return out
+
+    def labels(self, client_ids: Sequence[ClientId]) -> np.ndarray:
+        """Cohort ids as an int64 array in the order of ``client_ids``."""
+        return np.array([self.assignments[c] for c in client_ids], dtype=np.int64)
+
+
+class Cohorter(ABC):
+    """Extension point: group quarantined clients into cohorts.
+
+    ``cohort(client_ids, matrix, reference)`` takes ``n`` client ids, their parameter stack
+    ``(n, n_params)`` (float32) and the reference vector ``(n_params,)`` and returns a
+    :class:`CohortAssignment`.
+    """
+
+    @abstractmethod
+    def cohort(self, client_ids: Sequence[ClientId], matrix: np.ndarray,
+               reference: np.ndarray) -> CohortAssignment:
+        """Assign each client a local cohort id."""
+
+
+def validate_client_stack(client_ids: Sequence[ClientId], matrix: object,
+                          reference: object) -> tuple[list[ClientId], np.ndarray, np.ndarray]:
+    """Check a cohorting input and return ``(ids, matrix, reference)`` without copying arrays.
+
+    ``matrix`` may be a 2-D array ``(n_clients, n_params)`` (used as is) or a sequence of
+    1-D vectors (stacked once into float32). Errors (:class:`ParameterAlignmentError`,
+    :class:`NonFiniteParameterError`, both ``ValueError``) name the field and, for a bad
+    row, the client; values are never echoed.
+    """
+    if isinstance(client_ids, (str, bytes)) or not isinstance(client_ids, Sequence):
+        raise TypeError("client_ids: must be a sequence of client ids")
+    ids = list(client_ids)
+    if len(set(ids)) != len(ids):
+        raise ParameterAlignmentError("client_ids: must be unique")
+    ref = np.asarray(reference)
+    if ref.ndim != 1 or ref.dtype.kind not in "fiu":
+        raise ParameterAlignmentError(
+            f"reference: must be a 1-D real vector (n_params,), got shape {ref.shape}")
+    if ref.dtype.kind == "f" and not np.isfinite(ref).all():
+        raise NonFiniteParameterError("reference: must be finite (NaN or inf found)")
+    if isinstance(matrix, np.ndarray):
+        mat = matrix
+    else:
+        rows = list(matrix)  # type: ignore[call-overload]
+        if len(rows) != len(ids):
+            raise ParameterAlignmentError(
+                f"matrix: has {len(rows)} rows but client_ids has {len(ids)} entries")
+        for cid, row in zip(ids, rows, strict=True):
+            r = np.asarray(row)
+            if r.ndim != 1 or r.shape[0] != ref.shape[0]:
+                raise ParameterAlignmentError(
+                    f"matrix: vector of client {cid!r} has shape {r.shape}, expected "
+                    f"({ref.shape[0]},) like the reference")
+        mat = np.empty((len(rows), ref.shape[0]), dtype=np.float32)
+        for i, row in enumerate(rows):
+            mat[i] = row
+    if mat.ndim != 2 or mat.dtype.kind not in "fiu":
+        raise ParameterAlignmentError(
+            f"matrix: must be a 2-D real array (n_clients, n_params), got shape {mat.shape}")
+    if mat.shape[0] != len(ids):
+        raise ParameterAlignmentError(
+            f"matrix: has {mat.shape[0]} rows but client_ids has {len(ids)} entries")
+    if mat.shape[1] != ref.shape[0]:
+        raise ParameterAlignmentError(
+            f"matrix: rows have {mat.shape[1]} parameters but reference has {ref.shape[0]}")
+    if mat.shape[1] == 0:
+        raise ParameterAlignmentError("reference: must hold at least one parameter")
+    if mat.dtype.kind == "f":
+        for i, cid in enumerate(ids):
+            if not np.isfinite(mat[i]).all():
+                raise NonFiniteParameterError(
+                    f"matrix: parameters of client {cid!r} contain NaN or inf")
+    return ids, mat, ref
+
+
+class CLMACohorter(Cohorter):
+    """CLMA Algorithm 3: signed KS direction groups, Gram-trick PCA, clustering.
+
+    Parameters
+    ----------
+    clusterer:
+        :class:`Clusterer` applied to each direction group's PCA scores (default
+        ``AutoKMeans()``: k by silhouette, 0.25 floor).
+    variance_threshold:
+        Fraction of variance the retained components must exceed, in (0, 1].
+    center:
+        Mean-center each group before PCA (default True; False is the published form).
+    min_ks_magnitude:
+        Clients with ``|signed KS| < min_ks_magnitude`` form one "no_shift" cohort.
+    direction_rule:
+        "sign": trust the KS sign always (published). "established": trust it only when
+        ``|D+ - D-| > ks_critical_value(direction_alpha, n_params, n_params)``, otherwise the
+        client is "undirected". "auto" (default): "established" if ``center`` else "sign".
+    direction_alpha:
+        Significance level of the "established" rule, in (0, 1) (default 0.05).
+    n_jobs:
+        Threads for the per-client KS step (numpy releases the GIL in sort/searchsorted);
+        default ``min(2, os.cpu_count())``.
+    block_bytes:
+        Bound on the float64 column block used to accumulate Gram matrices.
+
+    Memory: the stack is used in place (float32, no copy); the reference is sorted once per
+    :meth:`cohort` call; per client one sorted copy plus O(n_params) int64/float64
+    temporaries per thread; per group one Gram matrix and one float64 column block.
+    """
+
+    def __init__(self, clusterer: Clusterer = AutoKMeans(),  # noqa: B008 (stateless)
+                 variance_threshold: float = 0.95, center: bool = True,
+                 min_ks_magnitude: float = 0.0, *, direction_rule: DirectionRule = "auto",
+                 direction_alpha: float = 0.05, n_jobs: int | None = None,
+                 block_bytes: int = DEFAULT_BLOCK_BYTES) -> None:
+        if not isinstance(clusterer, Clusterer):
+            raise TypeError("clusterer: must be a clma.cohort.Clusterer")
+        v = float(variance_threshold)
+        if not (0.0 < v <= 1.0):
+            raise ValueError("variance_threshold: must lie in (0, 1]")
+        m = float(min_ks_magnitude)
+        if not (0.0 <= m <= 1.0):
+            raise ValueError("min_ks_magnitude: must lie in [0, 1]")
+        if direction_rule not in ("auto", "established", "sign"):
+            raise ValueError("direction_rule: must be 'auto', 'established' or 'sign'")
+        if not (0.0 < float(direction_alpha) < 1.0):
+            raise ValueError("direction_alpha: must lie in (0, 1)")
+        if n_jobs is not None and (int(n_jobs) != n_jobs or n_jobs < 1):
+            raise ValueError("n_jobs: must be None or an integer >= 1")
+        self.clusterer = clusterer
+        self.variance_threshold = v
+        self.center = bool(center)
+        self.min_ks_magnitude = m
+        self.direction_rule = direction_rule
+        self.direction_alpha = float(direction_alpha)
+        self.n_jobs = n_jobs
+        self.block_bytes = int(block_bytes)
+
+    @property
+    def effective_direction_rule(self) -> Literal["established", "sign"]:
+        """The rule in force: "auto" resolves to "established" if centering, else "sign"."""
+        if self.direction_rule == "auto":
+            return "established" if self.center else "sign"
+        return self.direction_rule
+
+    def __repr__(self) -> str:
+        return (f"CLMACohorter(clusterer={self.clusterer!r}, "
+                f"variance_threshold={self.variance_threshold}, center={self.center}, "
+                f"min_ks_magnitude={self.min_ks_magnitude}, "
+                f"direction_rule={self.direction_rule!r}, direction_alpha={self.direction_alpha})")
+
+    def ks_components(self, matrix: np.ndarray, reference: np.ndarray) -> list[KSComponents]:
+        """One-sided KS distances of every row against the reference (sorted once)."""
+        sorted_ref = SortedReference(reference)
+        n_jobs = self.n_jobs or min(2, os.cpu_count() or 1)
+
+        def one(i: int) -> KSComponents:
+            return ks_components_from_sorted(matrix[i], sorted_ref, field=f"matrix[{i}]")
+
+        if n_jobs == 1 or matrix.shape[0] < 2:
+            return [one(i) for i in range(matrix.shape[0])]
+        with ThreadPoolExecutor(max_workers=n_jobs) as pool:
+            return list(pool.map(one, range(matrix.shape[0])))
+
+    def _direction(self, comp: KSComponents, threshold: float | None) -> str:
+        if abs(comp.signed) < self.min_ks_magnitude:
+            return "no_shift"
+        if threshold is not None and not comp.direction_gap > threshold:
+            return "undirected"
+        return "positive" if comp.sign > 0 else "negative"
+
+    def cohort(self, client_ids: Sequence[ClientId], matrix: np.ndarray,
+               reference: np.ndarray) -> CohortAssignment:
+        """Cohort the quarantined clients.
+
+        Parameters
+        ----------
+        client_ids:
+            ``n`` unique client ids, row order of ``matrix``.
+        matrix:
+            ``(n, n_params)`` float32 stack of the clients' parameter vectors (or a sequence
+            of ``(n_params,)`` vectors).
+        reference:
+            ``(n_params,)`` parameter vector of the cohort model the clients started from.
+
+        Returns
+        -------
+        CohortAssignment
+            Local cohort ids contiguous from 0; ``n == 0`` gives an empty assignment, one
+            client gets cohort 0.
+
+        Raises
+        ------
+        ParameterAlignmentError
+            Rows/ids count mismatch, vectors of different lengths, duplicate ids.
+        NonFiniteParameterError
+            NaN or inf in a client's parameters (names the client) or in the reference.
+        """
+        ids, mat, ref = validate_client_stack(client_ids, matrix, reference)
+        n, p = mat.shape
+        if n == 0:
+            return CohortAssignment({}, {})
+        comps = self.ks_components(mat, ref)
+        threshold = (ks_critical_value(self.direction_alpha, p, p)
+                     if self.effective_direction_rule == "established" else None)
+        directions = [self._direction(c, threshold) for c in comps]
+
+        group_labels: list[tuple[str, int] | None] = [None] * n
+        diag_parts: list[tuple[str, list[int], int, float, int, dict[int, float], str]] = []
+        for direction in DIRECTIONS:
+            rows = [i for i in range(n) if directions[i] == direction]
+            if not rows:
+                continue
+            if direction == "no_shift" or len(rows) == 1:
+                sub = np.zeros(len(rows), dtype=np.int64)
+                diag_parts.append((direction, rows, 0, 0.0, 1, {},
+                                   "pooled" if direction == "no_shift" else "single client"))
+            else:
+                pca = gram_pca_details(mat, self.variance_threshold, self.center,
+                                       rows=np.asarray(rows), block_bytes=self.block_bytes)
+                res = self.clusterer.fit_predict_details(pca.scores)
+                sub = res.labels
+                diag_parts.append((direction, rows, pca.n_components, pca.retained_variance,
+                                   res.k, dict(res.silhouettes), res.reason))
+            for r, s in zip(rows, sub.tolist(), strict=True):
+                group_labels[r] = (direction, int(s))
+
+        local: dict[tuple[str, int], int] = {}
+        assignments: dict[ClientId, int] = {}
+        for cid, key in zip(ids, group_labels, strict=True):
+            assert key is not None
+            if key not in local:
+                local[key] = len(local)
+            assignments[cid] = local[key]
+
+        groups = tuple(
+            GroupDiagnostics(direction=d, members=tuple(ids[r] for r in rows),
+                             cohort_ids=tuple(assignments[ids[r]] for r in rows),
+                             n_components=nc, retained_variance=rv, k=k,
+                             silhouettes=sil, reason=reason)
+            for d, rows, nc, rv, k, sil, reason in diag_parts)
+        return CohortAssignment(
+            assignments=assignments,
+            ks_statistics={cid: c.signed for cid, c in zip(ids, comps, strict=True)},
+            directions=dict(zip(ids, directions, strict=True)),
+            d_plus={cid: c.d_plus for cid, c in zip(ids, comps, strict=True)},
+            d_minus={cid: c.d_minus for cid, c in zip(ids, comps, strict=True)},
+            direction_threshold=threshold,
+            groups=groups,
+        )

@@ -1,0 +1,5 @@
+"""Parameter selection and flattening (filled in below)."""
+
+from clma.params.errors import NonFiniteParameterError, ParameterAlignmentError, ParameterError
+
+__all__ = ["NonFiniteParameterError", "ParameterAlignmentError", "ParameterError"]
