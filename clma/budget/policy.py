@@ -1,0 +1,355 @@
+"""The versioned privacy policy and the borrowing rule.
+
+The policy is a TOML file reviewed like code (``clma/policy/privacy_policy_v1.toml``):
+the per-client (epsilon, delta) cap per budget epoch, the epoch length in rounds, the
+training / evaluation split, the global / regional split inside evaluation, the regional
+cadence, the borrowing limit and approver allow-list, the minimum-group-size floor and the
+mechanism versions. :func:`load_policy` validates it into a frozen :class:`PrivacyPolicy`
+and records the file's SHA-256 ``content_hash``; a bad value raises one
+:class:`PolicyError` naming the field and the rule.
+
+Line items (basic composition across them, so their epsilons and deltas add up to the cap)::
+
+    training             = cap * training_fraction
+    evaluation.global    = cap * evaluation_fraction * global_fraction
+    evaluation.regional  = cap * evaluation_fraction * regional_fraction
+
+Borrowing (:func:`decide_borrow`): evaluation may borrow epsilon for one of its lines from
+the next epoch's allocation of the same line, at most ``max_fraction_of_next_epoch`` of it,
+at most ``max_borrows_per_epoch`` times per epoch, and only with an approval by a person on
+the allow-list. Every decision (approved or refused, with its reason) is recorded in the
+ledger with the policy version. On any refusal (timeout, denial, approver not on the
+allow-list, already borrowed, over the limit) *training backs off*: the ledger freezes the
+training line for the rest of the epoch, while evaluation keeps its reserved allocation
+(whatever remains of its lines), so monitoring does not go blind and no line is ever raised
+without approval.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import math
+import tomllib
+from enum import StrEnum
+from importlib import resources
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+if TYPE_CHECKING:  # pragma: no cover
+    from clma.budget.ledger import PrivacyLedger
+
+__all__ = [
+    "DEFAULT_POLICY_FILE",
+    "BorrowApproval",
+    "BorrowDecision",
+    "BorrowRefusal",
+    "BorrowRequest",
+    "LineItem",
+    "PolicyError",
+    "PrivacyPolicy",
+    "decide_borrow",
+    "default_policy",
+    "evaluate_borrow",
+    "load_policy",
+]
+
+DEFAULT_POLICY_FILE = "privacy_policy_v1.toml"
+_SUM_TOLERANCE = 1e-9
+_MECHANISM_VERSION_PATTERN = r"^v[1-9][0-9]{0,3}$"
+
+
+class PolicyError(ValueError):
+    """A policy file or a borrowing input broke a rule. The message names the field."""
+
+
+class LineItem(StrEnum):
+    """Budget line items of one epoch. ``evaluation`` is the sum of its two sub-lines."""
+
+    TRAINING = "training"
+    EVALUATION_GLOBAL = "evaluation.global"
+    EVALUATION_REGIONAL = "evaluation.regional"
+
+
+class _Closed(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
+
+
+_Fraction = Annotated[float, Field(gt=0.0, lt=1.0)]
+
+
+class BudgetRules(_Closed):
+    """Per-client cap of one budget epoch and its training / evaluation split."""
+
+    epsilon_per_client_per_epoch: Annotated[float, Field(gt=0.0)]
+    delta_per_client_per_epoch: Annotated[float, Field(ge=0.0, lt=1.0)]
+    epoch_length_rounds: Annotated[int, Field(ge=1)]
+    training_fraction: _Fraction
+    evaluation_fraction: _Fraction
+
+    @model_validator(mode="after")
+    def _split_sums_to_one(self) -> BudgetRules:
+        if abs(self.training_fraction + self.evaluation_fraction - 1.0) > _SUM_TOLERANCE:
+            raise ValueError("training_fraction + evaluation_fraction must equal 1")
+        return self
+
+
+class EvaluationRules(_Closed):
+    """Global / regional split of the evaluation line, regional cadence, group floor."""
+
+    global_fraction: _Fraction
+    regional_fraction: _Fraction
+    regional_cadence_rounds: Annotated[int, Field(ge=1)]
+    minimum_group_size: Annotated[int, Field(ge=2, le=1_000_000)]
+
+    @model_validator(mode="after")
+    def _split_sums_to_one(self) -> EvaluationRules:
+        if abs(self.global_fraction + self.regional_fraction - 1.0) > _SUM_TOLERANCE:
+            raise ValueError("global_fraction + regional_fraction must equal 1")
+        return self
+
+
+class BorrowingRules(_Closed):
+    """How much, how often and with whose approval evaluation may borrow."""
+
+    max_fraction_of_next_epoch: Annotated[float, Field(ge=0.0, le=1.0)]
+    max_borrows_per_epoch: Annotated[int, Field(ge=0, le=1)]
+    approvers: Annotated[tuple[str, ...], Field(min_length=1)]
+    approval_timeout_seconds: Annotated[int, Field(ge=1)]
+
+    @field_validator("approvers", mode="before")
+    @classmethod
+    def _list_to_tuple(cls, value: object) -> object:
+        return tuple(value) if isinstance(value, list) else value
+
+    @field_validator("approvers")
+    @classmethod
+    def _approvers_named(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if any(not name or name != name.strip() for name in value):
+            raise ValueError("every approver must be a non-empty name without surrounding spaces")
+        if len(set(value)) != len(value):
+            raise ValueError("approvers must be unique")
+        return value
+
+
+class MechanismVersions(_Closed):
+    """Stable mechanism versions written into every envelope."""
+
+    threshold_only: Annotated[str, Field(pattern=_MECHANISM_VERSION_PATTERN)]
+    laplace: Annotated[str, Field(pattern=_MECHANISM_VERSION_PATTERN)]
+    gaussian: Annotated[str, Field(pattern=_MECHANISM_VERSION_PATTERN)]
+
+
+class AccountingRules(_Closed):
+    """dp-accounting settings: PLD discretisation and the RDP cross-check tolerance."""
+
+    pld_value_discretization_interval: Annotated[float, Field(gt=0.0, le=0.1)]
+    rdp_cross_check_tolerance: Annotated[float, Field(ge=0.0, le=1.0)]
+
+
+class PrivacyPolicy(_Closed):
+    """A validated privacy policy (frozen).
+
+    ``content_hash`` is the SHA-256 (hex) of the policy file's bytes when loaded from a
+    file; :attr:`rules_hash` is the SHA-256 of the canonical JSON of the rules alone
+    (independent of comments and layout).
+    """
+
+    policy_version: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")]
+    budget: BudgetRules
+    evaluation: EvaluationRules
+    borrowing: BorrowingRules
+    mechanisms: MechanismVersions
+    accounting: AccountingRules
+    content_hash: str = ""
+    source: str = ""
+
+    @property
+    def rules_hash(self) -> str:
+        rules = self.model_dump(mode="json", exclude={"content_hash", "source"})
+        text = json.dumps(rules, sort_keys=True, separators=(",", ":"), allow_nan=False)
+        return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+    def epoch_of_round(self, round_index: int) -> int:
+        """Budget epoch of a round (rounds counted from 0): ``round // epoch_length_rounds``."""
+        if type(round_index) is not int or round_index < 0:
+            raise PolicyError("round must be a non-negative integer")
+        return round_index // self.budget.epoch_length_rounds
+
+    def line_cap(self, line: LineItem) -> tuple[float, float]:
+        """Base (epsilon, delta) allocation of one line item for one epoch, per client."""
+        line = LineItem(line)
+        b, e = self.budget, self.evaluation
+        if line is LineItem.TRAINING:
+            share = b.training_fraction
+        elif line is LineItem.EVALUATION_GLOBAL:
+            share = b.evaluation_fraction * e.global_fraction
+        else:
+            share = b.evaluation_fraction * e.regional_fraction
+        return b.epsilon_per_client_per_epoch * share, b.delta_per_client_per_epoch * share
+
+    def mechanism_version(self, mechanism: str) -> str:
+        """Version string of ``mechanism`` (``threshold_only``, ``laplace``, ``gaussian``)."""
+        return getattr(self.mechanisms, str(getattr(mechanism, "value", mechanism)))
+
+
+def _field_errors(exc: ValidationError, prefix: str = "") -> str:
+    lines = []
+    for err in exc.errors(include_input=False, include_url=False):
+        loc = ".".join(str(p) for p in err["loc"]) or "(policy)"
+        msg = err["msg"]
+        if msg.startswith("Value error, "):
+            msg = msg[len("Value error, ") :]
+        lines.append(f"{prefix}field '{loc}': {msg}")
+    return "; ".join(lines)
+
+
+def load_policy(path: str | Path | None = None) -> PrivacyPolicy:
+    """Load and validate a policy TOML file (default: the shipped ``privacy_policy_v1``).
+
+    Raises:
+        PolicyError: the file is missing or not TOML, or a field breaks a rule (the
+            message names every offending field, e.g. ``budget.training_fraction``).
+    """
+    if path is None:
+        data = resources.files("clma.policy").joinpath(DEFAULT_POLICY_FILE).read_bytes()
+        source = f"clma/policy/{DEFAULT_POLICY_FILE}"
+    else:
+        p = Path(path)
+        try:
+            data = p.read_bytes()
+        except OSError as exc:
+            raise PolicyError(f"privacy policy file cannot be read: {p}") from exc
+        source = str(p)
+    try:
+        raw = tomllib.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise PolicyError(f"privacy policy file is not valid TOML: {source}") from exc
+    if "content_hash" in raw or "source" in raw:
+        raise PolicyError("privacy policy field 'content_hash'/'source': computed, not allowed in the file")
+    try:
+        return PrivacyPolicy.model_validate(
+            {**raw, "content_hash": hashlib.sha256(data).hexdigest(), "source": source}
+        )
+    except ValidationError as exc:
+        raise PolicyError("privacy policy " + _field_errors(exc)) from None
+
+
+@functools.lru_cache(maxsize=1)
+def default_policy() -> PrivacyPolicy:
+    """The shipped policy (cached)."""
+    return load_policy(None)
+
+
+# --------------------------------------------------------------------------- borrowing
+
+
+class BorrowRefusal(StrEnum):
+    """Why a borrow was refused."""
+
+    TIMEOUT = "timeout"
+    NOT_ON_ALLOW_LIST = "not_on_allow_list"
+    ALREADY_BORROWED_THIS_EPOCH = "already_borrowed_this_epoch"
+    DENIED = "denied"
+    EXCEEDS_BORROW_LIMIT = "exceeds_borrow_limit"
+
+
+class BorrowRequest(_Closed):
+    """A request to borrow ``epsilon`` for an evaluation ``line`` of ``epoch`` from the
+    next epoch's allocation of the same line. ``run_id`` names the flow run (optional)."""
+
+    epoch: Annotated[int, Field(ge=0)]
+    line: LineItem
+    epsilon: Annotated[float, Field(gt=0.0)]
+    run_id: Annotated[str, Field(max_length=128)] = ""
+    reason: Annotated[str, Field(max_length=1000)] = ""
+
+    @field_validator("line", mode="before")
+    @classmethod
+    def _line_from_str(cls, value: object) -> object:
+        return LineItem(value) if isinstance(value, str) and not isinstance(value, LineItem) else value
+
+    @field_validator("line")
+    @classmethod
+    def _evaluation_only(cls, value: LineItem) -> LineItem:
+        if value is LineItem.TRAINING:
+            raise ValueError("only evaluation lines may borrow")
+        return value
+
+
+class BorrowApproval(_Closed):
+    """What the approval form collected (same fields as the Prefect ``RunInput``)."""
+
+    approver: Annotated[str, Field(max_length=128)]
+    approve: bool
+    reason: Annotated[str, Field(max_length=1000)] = ""
+
+
+class BorrowDecision(_Closed):
+    """The recorded outcome of one borrowing request."""
+
+    decision_id: int
+    epoch: int
+    line: LineItem
+    epsilon: float
+    approved: bool
+    refusal: BorrowRefusal | None
+    approver: str | None
+    approver_reason: str
+    training_frozen: bool
+    policy_version: str
+
+
+def evaluate_borrow(
+    request: BorrowRequest,
+    approval: BorrowApproval | None,
+    policy: PrivacyPolicy,
+    *,
+    borrows_approved_this_epoch: int,
+    next_epoch_line_epsilon: float,
+) -> BorrowRefusal | None:
+    """The borrowing rule as a pure function: ``None`` when approved, else the reason.
+
+    ``approval=None`` means the approval gate timed out. Checks, in order: timeout,
+    approver on the allow-list (exact, case-sensitive match), borrows already approved
+    this epoch (``max_borrows_per_epoch``), the approver's decision, and the amount
+    (at most ``max_fraction_of_next_epoch * next_epoch_line_epsilon``).
+    """
+    if approval is None:
+        return BorrowRefusal.TIMEOUT
+    if approval.approver not in policy.borrowing.approvers:
+        return BorrowRefusal.NOT_ON_ALLOW_LIST
+    if borrows_approved_this_epoch >= policy.borrowing.max_borrows_per_epoch:
+        return BorrowRefusal.ALREADY_BORROWED_THIS_EPOCH
+    if not approval.approve:
+        return BorrowRefusal.DENIED
+    limit = policy.borrowing.max_fraction_of_next_epoch * next_epoch_line_epsilon
+    if not math.isfinite(request.epsilon) or request.epsilon > limit:
+        return BorrowRefusal.EXCEEDS_BORROW_LIMIT
+    return None
+
+
+def decide_borrow(
+    request: BorrowRequest,
+    approval: BorrowApproval | None,
+    policy: PrivacyPolicy,
+    ledger: PrivacyLedger,
+) -> BorrowDecision:
+    """Decide a borrowing request and record the decision in ``ledger`` atomically.
+
+    The Prefect approval gate only collects the form (``approval``; ``None`` on timeout)
+    and calls this. The check of earlier borrows and the write happen in one ledger
+    transaction, so two concurrent approvals cannot both borrow. On approval the epoch's
+    line gains ``request.epsilon`` and the next epoch's same line loses it; on refusal
+    the training line is frozen for the rest of the epoch (training backs off) and
+    evaluation keeps its remaining allocation.
+
+    Raises:
+        PolicyError: ``policy`` is not the ledger's policy (versions differ).
+    """
+    if policy.policy_version != ledger.policy.policy_version:
+        raise PolicyError("policy_version: the decision policy must be the ledger's policy")
+    return ledger.record_borrow_decision(request, approval)
