@@ -395,7 +395,10 @@ class RepresentationScorer:
         z_threshold: flagging threshold, finite and > 0.
         batch_size: probe samples per forward pass.
         model_factory: zero-argument callable building a model of the federation's
-            architecture; needed only when clients are passed as parameter vectors.
+            architecture; needed only when clients are passed as ``(n_params,)`` float32
+            parameter vectors (``torch.nn.utils.parameters_to_vector`` order). Vectors carry
+            parameters only: buffers (e.g. BatchNorm running statistics) are those of the
+            factory's model.
 
     Raises:
         ValueError / TypeError: bad probe or settings (pydantic ``ValidationError`` is a
