@@ -1,0 +1,7 @@
+"""On-device drift detection for CLMA: the per-round loss-threshold flag and the
+inference-time monitor (Algorithm 4)."""
+
+from clma.drift.detectors import DriftDetector, LossThresholdDetector, check_loss
+from clma.drift.monitor import InferenceDriftMonitor
+
+__all__ = ["DriftDetector", "InferenceDriftMonitor", "LossThresholdDetector", "check_loss"]
