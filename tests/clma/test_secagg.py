@@ -133,6 +133,9 @@ def _uniform_pvalue(y):
 def _same_distribution_pvalue(y_a, y_b):
     table = np.vstack([np.bincount(_top_bits(y_a), minlength=16),
                        np.bincount(_top_bits(y_b), minlength=16)])
+    table = table[:, table.sum(axis=0) > 0]  # drop bins empty in both samples
+    if table.shape[1] < 2:
+        return 1.0
     return stats.chi2_contingency(table).pvalue
 
 
