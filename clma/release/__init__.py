@@ -43,4 +43,31 @@ __all__ = [
 # Add `from clma.release.envelope import ...` lines here and extend __all__:
 #   from clma.release.envelope import build_federated_metric_envelope  # noqa: E402
 #   __all__ += ["build_federated_metric_envelope"]
+from clma.release.envelope import (  # noqa: E402
+    FEDERATED_METRIC_SCHEMA_VERSION,
+    MAX_JSON_BYTES,
+    MAX_JSON_INTEGER,
+    FederatedMetricEnvelope,
+    FederatedMetricError,
+    FederatedMetricKind,
+    FederatedParticipantCountBand,
+    FederatedPrivacyMechanism,
+    FederatedUncertaintyMethod,
+    build_federated_metric_envelope,
+    participant_count_band,
+)
+
+__all__ += [
+    "FEDERATED_METRIC_SCHEMA_VERSION",
+    "MAX_JSON_BYTES",
+    "MAX_JSON_INTEGER",
+    "FederatedMetricEnvelope",
+    "FederatedMetricError",
+    "FederatedMetricKind",
+    "FederatedParticipantCountBand",
+    "FederatedPrivacyMechanism",
+    "FederatedUncertaintyMethod",
+    "build_federated_metric_envelope",
+    "participant_count_band",
+]
 # --- end envelope re-exports -----------------------------------------------
