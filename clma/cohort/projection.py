@@ -190,7 +190,8 @@ def gram_pca_details(matrix: np.ndarray, variance_threshold: float = 0.95, cente
         raise ValueError(f"matrix: must be 2-D (n_clients, n_params), got shape {arr.shape}")
     if arr.dtype.kind not in "fiu":
         raise TypeError(f"matrix: must hold real numbers, got dtype {arr.dtype}")
-    gram = gram_matrix(arr, rows, center=center, block_bytes=block_bytes)
+    with np.errstate(invalid="ignore", over="ignore"):  # reported below, naming the field
+        gram = gram_matrix(arr, rows, center=center, block_bytes=block_bytes)
     if not np.isfinite(gram).all():
         raise ValueError("matrix: must be finite (NaN or inf found)")
     return gram_pca_from_gram(gram, variance_threshold)
