@@ -21,8 +21,40 @@ from clma.release.aggregate import (
     regional_report,
     suppressed_region_band,
 )
+from clma.release.alerts import (
+    Alert,
+    AlertBaseline,
+    AlertBaselines,
+    AlertEvaluation,
+    AlertRule,
+    evaluation_due,
+    exceeds_combined_error_bars,
+    minimum_detectable_shift,
+)
+from clma.release.bounds import (
+    BoundProposal,
+    BoundsVersion,
+    RegionMergeTracker,
+    merged_regional_report,
+    propose_clip_bound,
+    update_bounds,
+)
 
 __all__ = [
+    "Alert",
+    "AlertBaseline",
+    "AlertBaselines",
+    "AlertEvaluation",
+    "AlertRule",
+    "BoundProposal",
+    "BoundsVersion",
+    "RegionMergeTracker",
+    "evaluation_due",
+    "exceeds_combined_error_bars",
+    "merged_regional_report",
+    "minimum_detectable_shift",
+    "propose_clip_bound",
+    "update_bounds",
     "AggregatedMetric",
     "BelowCohortFloor",
     "MetricSpec",
