@@ -23,12 +23,24 @@ from clma.cohort.ks import (
     signed_ks_from_sorted,
     signed_ks_statistic,
 )
+from clma.cohort.merging import (
+    displacement_cosine_distances,
+    merge_candidates,
+    raw_cosine_distances,
+)
 from clma.cohort.projection import (
     GramPCAResult,
     gram_matrix,
     gram_pca,
     gram_pca_details,
     gram_pca_from_gram,
+)
+from clma.cohort.registry import (
+    CohortRecord,
+    CohortRegistry,
+    CohortStatus,
+    LineageEvent,
+    RegistryError,
 )
 
 __all__ = [
@@ -38,12 +50,18 @@ __all__ = [
     "Clusterer",
     "ClusteringResult",
     "CohortAssignment",
+    "CohortRecord",
+    "CohortRegistry",
+    "CohortStatus",
     "Cohorter",
     "GramPCAResult",
     "GroupDiagnostics",
     "KSComponents",
+    "LineageEvent",
+    "RegistryError",
     "SortedReference",
     "canonical_labels",
+    "displacement_cosine_distances",
     "gram_matrix",
     "gram_pca",
     "gram_pca_details",
@@ -51,6 +69,8 @@ __all__ = [
     "ks_components",
     "ks_components_from_sorted",
     "ks_critical_value",
+    "merge_candidates",
+    "raw_cosine_distances",
     "signed_ks_from_sorted",
     "signed_ks_statistic",
     "validate_client_stack",
