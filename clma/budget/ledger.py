@@ -217,8 +217,9 @@ class PrivacyLedger:
     """Durable privacy-budget ledger for one federation.
 
     Args:
-        path: a directory (the ledger is ``<path>/privacy_ledger.sqlite``) or a file path.
-            Created if missing.
+        path: a directory (the ledger is ``<path>/privacy_ledger.sqlite``) or a file path
+            (anything with a suffix, e.g. ``state/ledger.sqlite``). A missing path without
+            a suffix is created as a directory.
         policy: the privacy policy (default: the shipped one). Caps of an epoch are fixed
             by the policy in force when the epoch is first touched; entries record the
             version.

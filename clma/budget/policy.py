@@ -215,7 +215,7 @@ def load_policy(path: str | Path | None = None) -> PrivacyPolicy:
             message names every offending field, e.g. ``budget.training_fraction``).
     """
     if path is None:
-        data = resources.files("clma.policy").joinpath(DEFAULT_POLICY_FILE).read_bytes()
+        data = resources.files("clma").joinpath("policy", DEFAULT_POLICY_FILE).read_bytes()
         source = f"clma/policy/{DEFAULT_POLICY_FILE}"
     else:
         p = Path(path)

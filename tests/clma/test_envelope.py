@@ -316,7 +316,7 @@ def test_minimum_group_size_floor_comes_from_policy(tmp_path):
     text = (tmp_path / "p.toml")
     from importlib import resources
 
-    src = resources.files("clma.policy").joinpath("privacy_policy_v1.toml").read_text()
+    src = resources.files("clma").joinpath("policy", "privacy_policy_v1.toml").read_text()
     text.write_text(src.replace("minimum_group_size = 5", "minimum_group_size = 10"))
     strict = load_policy(text)
     env = build_federated_metric_envelope(**{**BASE["mean"], "participant_count": 9}, policy=strict)

@@ -32,7 +32,7 @@ from clma.budget import (
 )
 
 G, R, T = LineItem.EVALUATION_GLOBAL, LineItem.EVALUATION_REGIONAL, LineItem.TRAINING
-POLICY_TEXT = resources.files("clma.policy").joinpath("privacy_policy_v1.toml").read_text()
+POLICY_TEXT = resources.files("clma").joinpath("policy", "privacy_policy_v1.toml").read_text()
 LAP = MechanismEvent.laplace
 
 

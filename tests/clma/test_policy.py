@@ -20,7 +20,7 @@ from clma.budget.policy import (
     load_policy,
 )
 
-POLICY_TEXT = resources.files("clma.policy").joinpath("privacy_policy_v1.toml").read_text()
+POLICY_TEXT = resources.files("clma").joinpath("policy", "privacy_policy_v1.toml").read_text()
 # Pinned on purpose: a change to the policy file must be reviewed and this hash updated.
 PINNED_FILE_SHA256 = "00472d04da1e9e38d379218e0825e0129527d3d511c3f65165d9193aa98e926d"
 
@@ -48,7 +48,7 @@ def test_shipped_policy_values_and_hash():
     assert p.borrowing.approvers == ("privacy-officer", "dpo-deputy")
     assert p.borrowing.max_borrows_per_epoch == 1
     assert p.mechanism_version("laplace") == "v1"
-    raw = resources.files("clma.policy").joinpath("privacy_policy_v1.toml").read_bytes()
+    raw = resources.files("clma").joinpath("policy", "privacy_policy_v1.toml").read_bytes()
     assert p.content_hash == hashlib.sha256(raw).hexdigest() == PINNED_FILE_SHA256
 
 
