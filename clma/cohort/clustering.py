@@ -13,6 +13,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 import numpy as np
+from scipy.cluster.hierarchy import fcluster, linkage
 from sklearn.cluster import KMeans
 from sklearn.exceptions import ConvergenceWarning
 from sklearn.metrics import silhouette_score
@@ -70,6 +71,17 @@ def _validate_X(X: object) -> np.ndarray:
     return arr
 
 
+def _n_distinct(arr: np.ndarray, rel_tol: float = 1e-9) -> int:
+    """Number of distinct points, counting points within ``rel_tol`` times the largest
+    coordinate magnitude of each other (single linkage) as one: projections of identical
+    parameter vectors differ only by round-off and must not be split."""
+    scale = float(np.abs(arr).max()) if arr.size else 0.0
+    if scale == 0.0:
+        return 1
+    return int(fcluster(linkage(arr, method="single"), t=rel_tol * scale,
+                        criterion="distance").max())
+
+
 class AutoKMeans(Clusterer):
     """k-means with k chosen by silhouette, or pinned by ``fixed_k``.
 
@@ -89,7 +101,8 @@ class AutoKMeans(Clusterer):
         Number of k-means restarts (default 10).
 
     Defined behaviour on small inputs: ``n == 0`` gives no labels; ``n == 1``, all points
-    identical, or zero features give one cluster; ``n == 2`` with automatic k gives one
+    identical (up to round-off: within 1e-9 of the largest coordinate magnitude), or zero
+    features give one cluster; ``n == 2`` with automatic k gives one
     cluster (no silhouette exists for 2 points), with ``fixed_k >= 2`` two singletons.
     """
 
@@ -133,7 +146,7 @@ class AutoKMeans(Clusterer):
             return ClusteringResult(one, 1, {}, "single point")
         if arr.shape[1] == 0:
             return ClusteringResult(one, 1, {}, "no variance (zero features)")
-        n_distinct = int(np.unique(arr, axis=0).shape[0])
+        n_distinct = _n_distinct(arr)
         if n_distinct == 1:
             return ClusteringResult(one, 1, {}, "all points identical")
         if self.fixed_k is not None:

@@ -132,6 +132,7 @@ def test_autokmeans_floor_returns_one_cluster() -> None:
     (np.ones((5, 3)), 2, [0] * 5),
     (np.zeros((4, 0)), 3, [0] * 4),                # zero features (zero variance)
     (np.array([[0.0], [0.0], [9.0]]), 3, [0, 0, 1]),  # capped by distinct points
+    (np.array([[1.0], [1.0 + 1e-12], [1.0 - 1e-12]]), 2, [0, 0, 0]),  # round-off only
 ])
 def test_autokmeans_small_inputs(X, fixed_k, expected) -> None:
     assert AutoKMeans(fixed_k=fixed_k).fit_predict(X).tolist() == expected
