@@ -7,6 +7,7 @@ below from ``clma.release.envelope``.
 
 from clma.release.aggregate import (
     AggregatedMetric,
+    AggregatedVector,
     BelowCohortFloor,
     MetricSpec,
     ParticipantBand,
@@ -15,6 +16,7 @@ from clma.release.aggregate import (
     SuppressedRelease,
     aggregate_metric,
     aggregate_sum,
+    aggregate_vector_sum,
     participant_band,
     participant_band_lower_edge,
     region_seed,
@@ -56,6 +58,7 @@ __all__ = [
     "propose_clip_bound",
     "update_bounds",
     "AggregatedMetric",
+    "AggregatedVector",
     "BelowCohortFloor",
     "MetricSpec",
     "ParticipantBand",
@@ -64,6 +67,7 @@ __all__ = [
     "SuppressedRelease",
     "aggregate_metric",
     "aggregate_sum",
+    "aggregate_vector_sum",
     "participant_band",
     "participant_band_lower_edge",
     "region_seed",

@@ -59,6 +59,8 @@ from clma.privacy.mechanisms import (
 
 __all__ = [
     "AggregatedMetric",
+    "AggregatedVector",
+    "aggregate_vector_sum",
     "BelowCohortFloor",
     "MetricSpec",
     "ParticipantBand",
@@ -417,6 +419,88 @@ def aggregate_metric(
     return aggregate_sum(
         float(clipped.sum()), int(arr.size), spec, epsilon=epsilon, min_cohort=min_cohort,
         seed=seed, mechanism=mechanism, delta=delta, level=level,
+    )
+
+
+class AggregatedVector(BaseModel):
+    """Server-side release of a vector sum (e.g. the error histogram), noise once per coordinate.
+
+    ``values = noisy_sum / contributors`` (float64 list, length d); every
+    coordinate has the same ``error_bar`` (exact coverage per coordinate).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    values: list[float]
+    error_bar: float
+    contributors: int
+    epsilon: float
+    l1_sensitivity: float
+    noise_scale: float
+    level: float = DEFAULT_LEVEL
+    min_cohort: int
+    noise_source: NoiseSource
+
+    @property
+    def participant_band(self) -> ParticipantBand:
+        return participant_band(self.contributors, self.min_cohort)
+
+    @property
+    def published_error_bar(self) -> float:
+        lower = participant_band_lower_edge(self.participant_band, self.min_cohort)
+        return error_bar(self.noise_scale, level=self.level, n=lower)
+
+    def to_published_dict(self) -> dict[str, Any]:
+        """Published view: no exact contributor count."""
+        return {
+            "name": self.name, "values": list(self.values),
+            "error_bar": self.published_error_bar, "error_bar_level": self.level,
+            "participant_band": self.participant_band.value, "min_cohort": self.min_cohort,
+            "mechanism": "laplace", "epsilon": self.epsilon,
+            "l1_sensitivity": self.l1_sensitivity, "noise_source": self.noise_source.value,
+        }
+
+
+def aggregate_vector_sum(
+    clipped_sum: Any,
+    contributors: int,
+    *,
+    name: str,
+    l1_sensitivity: float,
+    epsilon: float,
+    min_cohort: int = 50,
+    seed: int | np.random.Generator | None = None,
+    level: float = DEFAULT_LEVEL,
+) -> AggregatedVector:
+    """Laplace release of a vector sum with L1 sensitivity ``l1_sensitivity``.
+
+    One Laplace draw of scale ``b = l1_sensitivity / epsilon`` per coordinate
+    is epsilon-DP for the whole vector (Dwork et al. 2006).  For the on-device
+    error histogram (fractions summing to 1 per client) ``l1_sensitivity = 2``
+    under replace-one (see :mod:`clma.metrics.device`).
+
+    Args:
+        clipped_sum: float ``(d,)`` sum over clients of clipped vectors.
+        contributors: n.
+
+    Raises:
+        BelowCohortFloor: n < min_cohort.
+    """
+    m = _check_min_cohort(min_cohort)
+    n = int(contributors)
+    if n < m:
+        raise BelowCohortFloor(f"{name!r}: contributors below the cohort floor; release suppressed")
+    vec = np.asarray(clipped_sum, dtype=np.float64)
+    if vec.ndim != 1 or vec.size == 0:
+        raise ValueError("clipped_sum must be a non-empty 1-D vector")
+    scale = noise_scale(l1_sensitivity, epsilon)
+    noisy, source = sample(vec, scale, seed=seed)
+    return AggregatedVector(
+        name=name, values=(np.asarray(noisy) / n).tolist(),
+        error_bar=error_bar(scale, level=level, n=n), contributors=n, epsilon=float(epsilon),
+        l1_sensitivity=float(l1_sensitivity), noise_scale=scale, level=level, min_cohort=m,
+        noise_source=source,
     )
 
 

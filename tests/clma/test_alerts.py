@@ -169,3 +169,22 @@ def test_merge_needs_a_named_neighbour():
     tracker = RegionMergeTracker(neighbours={}, consecutive_required=1)
     with pytest.raises(ValueError, match="no neighbour"):
         tracker.observe(["lonely"], ["lonely"])
+
+
+def test_bounds_rederived_from_released_histogram_end_to_end():
+    """Device histograms -> clipped sum -> one Laplace release -> proposed bound."""
+    from clma.metrics import error_histogram
+    from clma.release import aggregate_vector_sum
+
+    rng = np.random.default_rng(5)
+    # per-example losses mostly below 1.0; 3 % of mass in (2, 4]
+    hists = [error_histogram(np.concatenate([rng.uniform(0, 0.9, 97), rng.uniform(2.1, 3.9, 3)]),
+                             EDGES) for _ in range(400)]
+    rel = aggregate_vector_sum(np.sum(hists, axis=0), 400, name="error_histogram",
+                               l1_sensitivity=2.0, epsilon=1.0, seed=1)
+    assert rel.noise_scale == 2.0 and rel.error_bar == pytest.approx(2 * math.log(20) / 400)
+    assert "contributors" not in rel.to_published_dict()
+    prop = propose_clip_bound(rel.to_published_dict()["values"], EDGES, target_fraction=0.95)
+    assert prop.clip_high == 1.0 and not prop.saturated
+    prop99 = propose_clip_bound(rel.values, EDGES, target_fraction=0.99)
+    assert prop99.clip_high == 4.0
