@@ -348,7 +348,10 @@ class SecAggResult:
         contributors: number of survivors whose input is in the sum.
         survivors, dropped: client ids.
         client_seconds, server_seconds: wall time spent in client and server code
-            (filled by :func:`run_secure_aggregation`), per phase.
+            (filled by :func:`run_secure_aggregation`), per phase.  Server phase
+            ``unmasking`` splits into ``unmasking.self_masks`` (reconstructing
+            survivors' self masks) and ``unmasking.dropout_recovery``
+            (reconstructing dropped clients' keys and removing their pairwise masks).
     """
 
     sum_quantised: np.ndarray
@@ -569,6 +572,7 @@ class SecAggServer:
         total = np.zeros(cfg.vector_length, dtype=np.uint64)
         for y in self._masked.values():
             total = total + y
+        clock = time.perf_counter()
         for shares in b_shares.values():
             if len(shares) < t:
                 raise SecAggAbort(
@@ -576,6 +580,8 @@ class SecAggServer:
                 )
             b_u = Shamir.combine(shares[:t])
             total = total - prg_words(b_u, cfg.vector_length, cfg.modulus_mask)
+        t_self = time.perf_counter() - clock
+        clock = time.perf_counter()
         for u, kshares in k_shares.items():
             if len(kshares) < t:
                 raise SecAggAbort(
@@ -593,11 +599,13 @@ class SecAggServer:
                 p = prg_words(seed, cfg.vector_length, cfg.modulus_mask)
                 # survivor v added +p if v < u, else -p: undo it
                 total = total - p if v < u else total + p
+        t_drop = time.perf_counter() - clock
         return SecAggResult(
             sum_quantised=total & mm,
             contributors=len(req.survivors),
             survivors=tuple(sorted(req.survivors)),
             dropped=tuple(sorted(req.dropped)),
+            server_seconds={"unmasking.self_masks": t_self, "unmasking.dropout_recovery": t_drop},
         )
 
     @property
@@ -686,5 +694,5 @@ def run_secure_aggregation(
     result = server.finalize(responses)
     tick(ss, "unmasking", st)
     result.client_seconds = cs
-    result.server_seconds = ss
+    result.server_seconds = {**ss, **result.server_seconds}
     return result
