@@ -24,11 +24,12 @@ means shifted towards larger values. Only the grouping by sign matters to the al
 
 Computation. ``F_s - F_r`` only rises at sample points and only falls at reference points,
 so ``D+`` is attained at a sample point and ``D-`` at a reference point. With both arrays
-sorted, two vectorised ``np.searchsorted`` calls give the counts, and the differences are
-evaluated with the same float64 operations as scipy (``count/n``), so ``D`` is bitwise equal
-to scipy's ``statistic``. The reference is sorted once (:class:`SortedReference`) and
-reused for every client of a round (issue 3, item 6c); each client costs one sort of its
-own vector plus two searchsorted passes, O(p log p), and O(p) temporary memory.
+sorted, one vectorised ``np.searchsorted`` pass of the sample into the reference gives the
+counts (see ``_components_sorted``), and the differences are evaluated with the same float64
+operations as scipy (``count/n``), so ``D`` is bitwise equal to scipy's ``statistic``. The
+reference is sorted once (:class:`SortedReference`) and reused for every client of a round
+(issue 3, item 6c); each client costs one sort of its own vector plus one searchsorted pass,
+O(p log p), with one sorted copy and one int64 count array as temporaries.
 """
 
 from __future__ import annotations
@@ -153,21 +154,45 @@ class SortedReference:
         return obj
 
 
+_BLOCK = 1 << 16  # elements per block of the O(p) passes (keeps temporaries in cache)
+
+
 def _components_sorted(sample_sorted: np.ndarray, ref_sorted: np.ndarray) -> tuple[float, float]:
+    """D+ and D- from one searchsorted pass of the sorted sample into the sorted reference.
+
+    With ``i`` the 0-based position in the sorted sample, ``cR_i = #{r <= s_i}`` and
+    ``cL_i = #{r < s_i}``:
+
+    * ``D+ = max(0, max_i (i+1)/n1 - cR_i/n2)``: F_s - F_r only rises at sample points;
+      ``(i+1)/n1`` is F_s(s_i) at the last element of a run of ties and smaller before it.
+    * ``D- = max(0, max_i cL_i/n2 - i/n1)``: F_r - F_s is largest just before a sample
+      point, at the largest reference value below ``s_i`` (``i/n1`` is F_s there for the
+      first element of a run of ties, smaller values for the others).
+
+    Each candidate is the same pair of counts scipy evaluates, with the same float64
+    operations (``count / n`` then a subtraction), so the maxima are bitwise scipy's.
+    ``cL`` differs from ``cR`` only where a sample value equals a reference value; those
+    few positions get a second, ``side='left'`` search.
+    """
     n1 = sample_sorted.shape[0]
     n2 = ref_sorted.shape[0]
-    # D+: evaluated at sample points. (i+1)/n1 is F_s at the last element of a run of ties
-    # and smaller before it, so the maximum over i equals the maximum over distinct points.
-    c2 = np.searchsorted(ref_sorted, sample_sorted, side="right")
-    diff = np.arange(1, n1 + 1, dtype=np.int64) / n1
-    diff -= c2 / n2
-    d_plus = max(0.0, float(diff.max()))
-    del c2, diff
-    # D-: evaluated at reference points, symmetric argument.
-    c1 = np.searchsorted(sample_sorted, ref_sorted, side="right")
-    diff = np.arange(1, n2 + 1, dtype=np.int64) / n2
-    diff -= c1 / n1
-    d_minus = max(0.0, float(diff.max()))
+    c_right = np.searchsorted(ref_sorted, sample_sorted, side="right")
+    d_plus = 0.0
+    d_minus = 0.0
+    for start in range(0, n1, _BLOCK):
+        stop = min(n1, start + _BLOCK)
+        cr = c_right[start:stop]
+        f_ref = cr / n2
+        f_sample = np.arange(start + 1, stop + 1, dtype=np.int64) / n1
+        d_plus = max(d_plus, float(np.max(f_sample - f_ref)))
+        s_blk = sample_sorted[start:stop]
+        tied = (cr > 0) & (ref_sorted[np.maximum(cr - 1, 0)] == s_blk)
+        if tied.any():
+            cl = cr.copy()
+            cl[tied] = np.searchsorted(ref_sorted, s_blk[tied], side="left")
+            f_ref = cl / n2
+        f_sample = np.arange(start, stop, dtype=np.int64) / n1
+        d_minus = max(d_minus, float(np.max(f_ref - f_sample)))
     return d_plus, d_minus
 
 

@@ -80,6 +80,15 @@ def test_large_samples_match_scipy_asymptotic_mode() -> None:
         value = signed_ks_statistic(x, ref)
         assert abs(value) == res.statistic
         assert np.sign(value) == res.statistic_sign
+    # Frozen layer: half the parameters are exactly the reference's (cross-sample ties).
+    x = ref.copy()
+    x[:15_000] += rng.normal(0.004, 0.01, 15_000).astype(np.float32)
+    res = ks_2samp(x, ref)
+    assert abs(signed_ks_statistic(x, ref)) == res.statistic
+    assert np.sign(signed_ks_statistic(x, ref)) == res.statistic_sign
+    comps = ks_components(x, ref)
+    assert comps.d_minus == ks_2samp(x, ref, alternative="less", method="asymp").statistic
+    assert comps.d_plus == ks_2samp(x, ref, alternative="greater", method="asymp").statistic
     # Direction convention: larger values => sample ECDF below the reference => negative.
     assert signed_ks_statistic(ref + np.float32(0.05), ref) < 0
     assert signed_ks_statistic(ref - np.float32(0.05), ref) > 0
