@@ -1,0 +1,29 @@
+# Two commands for a fresh machine (see README.md):
+#   make run   - create .venv, install, run the main job on the embedded default
+#   make test  - create .venv, install with the test extras, run the test suite
+PYTHON ?= python3.11
+VENV   ?= .venv
+PY      = $(VENV)/bin/python
+
+.PHONY: run test lint bench clean-store
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+$(VENV)/.installed-%: pyproject.toml | $(VENV)/bin/python
+	$(PY) -m pip install -q -e '.[$*]'
+	touch $@
+
+run: $(VENV)/.installed-dev
+	$(VENV)/bin/clma run $(ARGS)
+
+test: $(VENV)/.installed-dev
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
+
+lint: $(VENV)/.installed-dev
+	$(VENV)/bin/ruff check .
+
+clean-store:
+	rm -rf mlflow/store runs

@@ -1,0 +1,350 @@
+"""Federation configuration: one pydantic model, loadable from TOML, validated up front.
+
+Every value that shapes a run lives here, so that "same config + same seed" is a complete
+description of a simulated federation. Invalid values fail *before* any training with one
+:class:`ConfigError` whose message names the field (dotted path) and the rule it broke.
+
+The embedded default is :func:`default_config` (the file ``clma/configs/default.toml``
+shipped with the package): 20 clients in 5 regions on scikit-learn's handwritten digits,
+10 rounds, concept drift into two opposite label-rotation families at rounds 4 and 7.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import tomllib
+from collections.abc import Mapping
+from importlib import resources
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+__all__ = [
+    "ConfigError",
+    "DataConfig",
+    "DriftEvent",
+    "DriftConfig",
+    "ModelConfig",
+    "TrainingConfig",
+    "CohortConfig",
+    "EvaluationConfig",
+    "DivergenceConfig",
+    "TrackingConfig",
+    "OrchestrationConfig",
+    "FederationConfig",
+    "default_config",
+    "load_config",
+]
+
+
+class ConfigError(ValueError):
+    """A configuration value broke a rule. The message names the field and the rule."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+PositiveInt = Annotated[int, Field(gt=0)]
+Probability = Annotated[float, Field(gt=0.0, lt=1.0)]
+
+
+class DataConfig(_Strict):
+    """Where the federation's data comes from and how it is divided among clients."""
+
+    dataset: Literal["digits", "fashion_mnist", "cifar10"] = "digits"
+    data_dir: str | None = Field(
+        default=None, description="Folder with the dataset files (fashion_mnist, cifar10 only)."
+    )
+    holdout_fraction: Probability = Field(
+        default=0.2, description="Fixed held-out share of the dataset (test set + probe set)."
+    )
+    probe_size: PositiveInt = Field(
+        default=128, description="Size of the shared probe set, drawn from the held-out split."
+    )
+    partition: Literal["iid", "dirichlet"] = "iid"
+    dirichlet_alpha: Annotated[float, Field(gt=0.0)] = 1.0
+    local_eval_fraction: Probability = Field(
+        default=0.25, description="Share of each client's data kept on device for evaluation."
+    )
+    region_partition: str | None = Field(
+        default=None,
+        description="Path to a region partition TOML file; None = the bundled regions_v1.toml.",
+    )
+
+    @model_validator(mode="after")
+    def _data_dir_needed(self) -> DataConfig:
+        if self.dataset != "digits" and not self.data_dir:
+            raise ValueError(f"data.data_dir is required when data.dataset is '{self.dataset}'")
+        return self
+
+
+DriftKind = Literal["label_rotation", "gaussian_noise", "rotation", "blur"]
+
+
+class DriftEvent(_Strict):
+    """One injected drift: at ``round``, the listed clients' data change in one way.
+
+    ``label_rotation`` is concept drift: labels y -> (y + shift) mod n_classes, where the
+    sign of ``shift`` gives the family's direction (+k and -k are opposite families).
+    ``gaussian_noise`` (``magnitude`` = noise std on [0, 1] pixels), ``rotation``
+    (``magnitude`` = degrees) and ``blur`` (``magnitude`` = Gaussian filter sigma in pixels)
+    are covariate drift. ``family`` names the ground-truth group for the simulation's
+    adjusted-Rand-index report.
+    """
+
+    round: PositiveInt
+    kind: DriftKind
+    clients: list[Annotated[int, Field(ge=0)]] = Field(min_length=1)
+    family: str = Field(min_length=1)
+    shift: int = 0
+    magnitude: Annotated[float, Field(ge=0.0)] = 0.0
+
+    @model_validator(mode="after")
+    def _kind_parameters(self) -> DriftEvent:
+        if self.kind == "label_rotation" and self.shift == 0:
+            raise ValueError("label_rotation needs a non-zero 'shift'")
+        if self.kind != "label_rotation" and self.magnitude <= 0.0:
+            raise ValueError(f"{self.kind} needs a positive 'magnitude'")
+        if len(set(self.clients)) != len(self.clients):
+            raise ValueError("'clients' lists a client more than once")
+        return self
+
+
+class DriftConfig(_Strict):
+    """On-device drift detection and the simulation's injected drift schedule."""
+
+    gamma: Annotated[float, Field(gt=0.0)] = Field(
+        default=0.5,
+        description="A client flags drift when its local loss rises by more than gamma (nats) "
+        "over its previous round (CLMA Algorithm 2).",
+    )
+    events: list[DriftEvent] = Field(default_factory=list)
+
+
+class ModelConfig(_Strict):
+    """A small ReLU multilayer perceptron."""
+
+    hidden: list[PositiveInt] = Field(default_factory=lambda: [64, 32], min_length=1)
+
+
+class TrainingConfig(_Strict):
+    """Local training on each client: SGD for ``local_epochs`` epochs."""
+
+    local_epochs: PositiveInt = 5
+    learning_rate: Annotated[float, Field(gt=0.0, le=10.0)] = 0.3
+    batch_size: PositiveInt = 16
+    participation: Annotated[float, Field(gt=0.0, le=1.0)] = Field(
+        default=1.0, description="Fraction of clients selected per round (seeded)."
+    )
+
+
+class CohortConfig(_Strict):
+    """Cohorting of quarantined clients (CLMA Algorithm 3) and cohort merging."""
+
+    enabled: bool = Field(
+        default=True,
+        description="False = plain FedAvg: one global model, no quarantine (the baseline).",
+    )
+    variance_threshold: Annotated[float, Field(gt=0.0, le=1.0)] = 0.95
+    center: bool = True
+    min_ks_magnitude: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
+    fixed_k: PositiveInt | None = None
+    max_k: Annotated[int, Field(ge=2)] = 10
+    min_silhouette: Annotated[float, Field(ge=-1.0, le=1.0)] = 0.25
+    merge_cohorts_threshold: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+
+
+class EvaluationConfig(_Strict):
+    """Private regional evaluation (central DP on the aggregate, cohort floor)."""
+
+    every: PositiveInt = Field(default=1, description="Evaluate every k rounds.")
+    epsilon: Annotated[float, Field(gt=0.0, le=100.0)] = Field(
+        default=1.0, description="Epsilon of one regional release (parallel across regions)."
+    )
+    min_cohort: PositiveInt = Field(
+        default=3, description="Regions with fewer contributing clients are suppressed."
+    )
+    loss_max: Annotated[float, Field(gt=0.0)] = Field(
+        default=5.0, description="Clipping bound L_max of the mean loss, in nats."
+    )
+    noise_seeded: bool = Field(
+        default=True,
+        description="True: noise from a seeded simulation sampler (reproducible, NOT for "
+        "production); False: OpenDP's secure sampler.",
+    )
+
+
+class DivergenceConfig(_Strict):
+    """Atypical-client scoring on the shared probe set (representation-level divergence)."""
+
+    enabled: bool = True
+    beta: Annotated[float, Field(ge=0.0)] = 1.0
+    z_threshold: Annotated[float, Field(gt=0.0)] = 3.0
+    action: Literal["report", "downweight", "exclude"] = "report"
+
+
+class TrackingConfig(_Strict):
+    """MLflow tracking. ``experiment`` None = named after the federation."""
+
+    experiment: str | None = None
+    enabled: bool = True
+
+
+class OrchestrationConfig(_Strict):
+    """How Prefect runs the round's client work."""
+
+    chunk_size: PositiveInt = Field(
+        default=8, description="Clients per mapped training/evaluation task."
+    )
+
+
+class FederationConfig(_Strict):
+    """The whole federation. Load with :func:`load_config`; every field has a default."""
+
+    name: str = Field(default="clma-digits", min_length=1, max_length=100)
+    seed: Annotated[int, Field(ge=0, lt=2**32)] = 0
+    rounds: PositiveInt = 10
+    clients: PositiveInt = 20
+    data: DataConfig = Field(default_factory=DataConfig)
+    drift: DriftConfig = Field(default_factory=DriftConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    training: TrainingConfig = Field(default_factory=TrainingConfig)
+    cohort: CohortConfig = Field(default_factory=CohortConfig)
+    evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
+    divergence: DivergenceConfig = Field(default_factory=DivergenceConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    orchestration: OrchestrationConfig = Field(default_factory=OrchestrationConfig)
+
+    @field_validator("name")
+    @classmethod
+    def _name_chars(cls, v: str) -> str:
+        allowed = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
+        if not set(v) <= allowed:
+            raise ValueError("may contain only letters, digits, '-', '_' and '.'")
+        return v
+
+    @model_validator(mode="after")
+    def _schedule_fits(self) -> FederationConfig:
+        for i, ev in enumerate(self.drift.events):
+            if ev.round > self.rounds:
+                raise ValueError(
+                    f"drift.events[{i}].round is beyond 'rounds' ({self.rounds}); "
+                    "a drift event must happen during the run"
+                )
+            bad = [c for c in ev.clients if c >= self.clients]
+            if bad:
+                raise ValueError(
+                    f"drift.events[{i}].clients names client ids >= 'clients' "
+                    f"({self.clients}); client ids run from 0 to clients - 1"
+                )
+        seen: dict[tuple[int, int], int] = {}
+        for i, ev in enumerate(self.drift.events):
+            for c in ev.clients:
+                if (ev.round, c) in seen:
+                    raise ValueError(
+                        f"drift.events[{i}] drifts client {c} at round {ev.round}, which "
+                        f"drift.events[{seen[(ev.round, c)]}] already does"
+                    )
+                seen[(ev.round, c)] = i
+        return self
+
+    def with_overrides(self, **overrides: Any) -> FederationConfig:
+        """A validated copy with top-level fields replaced (e.g. ``rounds=3``).
+
+        Drift events that fall outside a smaller federation are dropped (clients) or
+        rejected (rounds), so that ``--clients`` / ``--rounds`` on the command line behave
+        predictably. Raises :class:`ConfigError`.
+        """
+        data = self.model_dump()
+        clean = {k: v for k, v in overrides.items() if v is not None}
+        data.update(clean)
+        if "clients" in clean:
+            events = []
+            for ev in data["drift"]["events"]:
+                kept = [c for c in ev["clients"] if c < clean["clients"]]
+                if kept:
+                    events.append({**ev, "clients": kept})
+            data["drift"]["events"] = events
+        if "rounds" in clean:
+            data["drift"]["events"] = [
+                ev for ev in data["drift"]["events"] if ev["round"] <= clean["rounds"]
+            ]
+        return validate_config(data)
+
+    def fingerprint(self) -> str:
+        """SHA-256 of the canonical JSON of the config (identifies a federation's setup)."""
+        blob = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(blob.encode()).hexdigest()
+
+    def flat_params(self) -> dict[str, str]:
+        """The config flattened to dotted keys with string values (for MLflow params)."""
+        out: dict[str, str] = {}
+
+        def walk(prefix: str, obj: Any) -> None:
+            if isinstance(obj, Mapping):
+                for k, v in obj.items():
+                    walk(f"{prefix}.{k}" if prefix else str(k), v)
+            elif isinstance(obj, list) and obj and isinstance(obj[0], Mapping):
+                out[prefix] = json.dumps(obj, sort_keys=True)[:6000]
+            else:
+                out[prefix] = json.dumps(obj) if not isinstance(obj, str) else obj
+
+        walk("", self.model_dump(mode="json"))
+        return out
+
+
+def _format_error(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors(include_url=False, include_input=False):
+        loc = ".".join(str(p) for p in e["loc"]) or "(config)"
+        msg = e["msg"]
+        if msg.startswith("Value error, "):
+            msg = msg[len("Value error, ") :]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field (not part of the configuration schema)"
+        lines.append(f"{loc}: {msg}")
+    return "invalid configuration: " + "; ".join(lines)
+
+
+def validate_config(data: Mapping[str, Any]) -> FederationConfig:
+    """Validate a mapping into a :class:`FederationConfig`. Raises :class:`ConfigError`."""
+    try:
+        return FederationConfig.model_validate(dict(data))
+    except ValidationError as err:
+        raise ConfigError(_format_error(err)) from None
+
+
+def load_config(path: str | Path | None = None) -> FederationConfig:
+    """Load and validate a TOML config file; None gives :func:`default_config`.
+
+    Raises :class:`ConfigError` for an unreadable file, bad TOML, or a value that breaks a
+    rule (the message names the field).
+    """
+    if path is None:
+        return default_config()
+    p = Path(path)
+    try:
+        raw = p.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"config file {str(p)!r} cannot be read: {exc.strerror}") from None
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"config file {str(p)!r} is not valid TOML: {exc}") from None
+    return validate_config(data)
+
+
+def default_config() -> FederationConfig:
+    """The embedded default federation (``clma/configs/default.toml``)."""
+    text = resources.files("clma.configs").joinpath("default.toml").read_text("utf-8")
+    return validate_config(tomllib.loads(text))

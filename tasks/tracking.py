@@ -1,0 +1,127 @@
+"""MLflow tracking of a federation: what is logged where (schema in ``mlflow/README.md``).
+
+One MLflow run per federation, in an experiment named after the config (``name``, or
+``tracking.experiment``). Params: the flattened config. Tags: seed, config fingerprint,
+region-partition version and hash, Prefect flow run id, noise source. Metrics (``step`` =
+round): cohorts, quarantined clients, published regional values and their (published)
+error bars, and the simulation's ground-truth accuracies (names prefixed ``sim_truth.``
+and the run tagged ``clma.sim_truth_metrics=true``). Artifacts: ``cohort_history.json``,
+``reports/round_NNN.json`` (the published regional report), ``summary.json``.
+
+Nothing per client is logged: no client ids, no per-client values; the cohort history
+artifact holds cohort ids, parents, rounds and member counts only.
+
+The default store is a local SQLite database under ``mlflow/store/`` (relative to the
+working directory, git-ignored); ``MLFLOW_TRACKING_URI`` overrides it.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+__all__ = ["default_tracking_uri", "FederationTracker"]
+
+DEFAULT_STORE = Path("mlflow") / "store"
+
+
+def default_tracking_uri() -> str:
+    """``MLFLOW_TRACKING_URI`` if set, else ``sqlite:///<cwd>/mlflow/store/mlflow.db``."""
+    env = os.environ.get("MLFLOW_TRACKING_URI")
+    if env:
+        return env
+    store = (Path.cwd() / DEFAULT_STORE).resolve()
+    store.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{store / 'mlflow.db'}"
+
+
+def _artifact_location(uri: str) -> str | None:
+    """For the default SQLite store, keep artifacts beside it under mlflow/store/."""
+    if uri.startswith("sqlite:///") and not os.environ.get("MLFLOW_TRACKING_URI"):
+        return (Path(uri[len("sqlite:///") :]).parent / "artifacts").resolve().as_uri()
+    return None
+
+
+class FederationTracker:
+    """Thin wrapper around :class:`mlflow.MlflowClient` bound to one federation run.
+
+    Uses the client API with explicit run ids (thread-safe; no fluent global state), so
+    Prefect tasks running in worker threads can log to the same run.
+    """
+
+    def __init__(self, tracking_uri: str | None = None) -> None:
+        warnings.filterwarnings("ignore", category=DeprecationWarning, module="sqlalchemy")
+        from mlflow import MlflowClient
+
+        self.tracking_uri = tracking_uri or default_tracking_uri()
+        self.client = MlflowClient(tracking_uri=self.tracking_uri)
+        self.run_id: str | None = None
+        self.experiment_id: str | None = None
+
+    def start(
+        self,
+        experiment: str,
+        run_name: str,
+        params: dict[str, str],
+        tags: dict[str, str],
+        parent_run_id: str | None = None,
+    ) -> str:
+        """Create (or reuse) the experiment and start the federation run."""
+        exp = self.client.get_experiment_by_name(experiment)
+        if exp is None:
+            self.experiment_id = self.client.create_experiment(
+                experiment, artifact_location=_artifact_location(self.tracking_uri)
+            )
+        else:
+            self.experiment_id = exp.experiment_id
+        all_tags = dict(tags)
+        if parent_run_id:
+            all_tags["mlflow.parentRunId"] = parent_run_id
+        run = self.client.create_run(self.experiment_id, run_name=run_name, tags=all_tags)
+        self.run_id = run.info.run_id
+        from mlflow.entities import Param
+
+        items = [Param(k, v[:6000]) for k, v in sorted(params.items())]
+        for i in range(0, len(items), 100):
+            self.client.log_batch(self.run_id, params=items[i : i + 100])
+        return self.run_id
+
+    def _rid(self) -> str:
+        if self.run_id is None:
+            raise RuntimeError("FederationTracker.start() was not called")
+        return self.run_id
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        """Log finite metrics at ``step`` (= round)."""
+        import math
+        import time
+
+        from mlflow.entities import Metric
+
+        ts = int(time.time() * 1000)
+        items = [
+            Metric(k, float(v), ts, step)
+            for k, v in sorted(metrics.items())
+            if v is not None and math.isfinite(float(v))
+        ]
+        for i in range(0, len(items), 200):
+            self.client.log_batch(self._rid(), metrics=items[i : i + 200])
+
+    def log_dict(self, obj: Any, artifact_file: str) -> None:
+        self.client.log_dict(self._rid(), obj, artifact_file)
+
+    def log_figure(self, figure: Any, artifact_file: str) -> None:
+        self.client.log_figure(self._rid(), figure, artifact_file)
+
+    def log_artifact(self, path: str, artifact_path: str | None = None) -> None:
+        self.client.log_artifact(self._rid(), path, artifact_path)
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        for k, v in tags.items():
+            self.client.set_tag(self._rid(), k, v)
+
+    def finish(self, status: str = "FINISHED") -> None:
+        if self.run_id is not None:
+            self.client.set_terminated(self.run_id, status=status)

@@ -1,0 +1,38 @@
+"""Test isolation: a temporary PREFECT_HOME (set before prefect is imported anywhere),
+quiet Prefect, one session-wide Prefect test harness for flow tests only, and a
+temporary MLflow store per test that asks for it."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import warnings
+
+_PREFECT_HOME = tempfile.mkdtemp(prefix="clma-prefect-home-")
+os.environ["PREFECT_HOME"] = _PREFECT_HOME
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("PREFECT_SERVER_LOGGING_LEVEL", "CRITICAL")
+os.environ.setdefault("DO_NOT_TRACK", "true")
+os.environ.pop("PREFECT_API_URL", None)
+os.environ.pop("MLFLOW_TRACKING_URI", None)
+warnings.filterwarnings("ignore", category=DeprecationWarning, module="sqlalchemy")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def prefect_harness():
+    """A temporary Prefect API for the whole session (started on first use, ~7 s)."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+@pytest.fixture
+def mlflow_store(tmp_path, monkeypatch):
+    """A fresh SQLite MLflow store; returns its tracking URI."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    return uri

@@ -1,0 +1,118 @@
+"""End to end: the Prefect federation flow on a small config, tracked in a temporary
+MLflow store; checks what the MLflow run and summary.json hold."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from clma.config import load_config
+
+SMALL = Path(__file__).with_name("small.toml")
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def small_run(tmp_path_factory, prefect_harness):
+    import os
+
+    tmp = tmp_path_factory.mktemp("e2e")
+    uri = f"sqlite:///{tmp / 'mlflow.db'}"
+    old = os.environ.get("MLFLOW_TRACKING_URI")
+    os.environ["MLFLOW_TRACKING_URI"] = uri
+    try:
+        from flows.federation import federation_flow
+
+        summary = federation_flow(load_config(SMALL), out_dir=str(tmp / "out"))
+    finally:
+        if old is None:
+            os.environ.pop("MLFLOW_TRACKING_URI", None)
+        else:
+            os.environ["MLFLOW_TRACKING_URI"] = old
+    return summary, tmp, uri
+
+
+def test_summary_json_schema_and_ground_truth(small_run):
+    summary, tmp, _ = small_run
+    on_disk = json.loads((tmp / "out" / "summary.json").read_text())
+    assert on_disk == json.loads(json.dumps(summary))
+    assert on_disk["schema"] == "clma.summary/1"
+    assert [r["round"] for r in on_disk["rounds"]] == [1, 2, 3, 4, 5]
+    assert on_disk["mlflow"]["run_id"]
+    assert on_disk["prefect"]["flow_run_id"]
+    assert on_disk["region_partition"]["version"] == "1"
+    assert len(on_disk["region_partition"]["content_hash"]) == 64
+    gt = on_disk["ground_truth"]
+    # the two opposite families at round 3 are separated into their own cohorts
+    assert gt["ari_per_drift_event"] == {"3": 1.0}
+    assert gt["families_separated_every_event"] is True
+    assert on_disk["rounds"][2]["flagged_clients"] == 6
+    assert on_disk["rounds"][2]["quarantined_clients"] == 6
+    assert len(on_disk["rounds"][2]["new_cohorts"]) == 2
+    assert sum(on_disk["final_cohorts"].values()) == 10
+    assert 0.0 <= gt["stationary_final_accuracy"] <= 1.0
+    # rounds before the drift: one cohort, nobody flagged
+    assert on_disk["rounds"][0]["cohorts"] == {"0": 10}
+    assert on_disk["rounds"][1]["flagged_clients"] == 0
+
+
+def test_published_report_has_no_exact_counts(small_run):
+    summary, _, _ = small_run
+    for rec in summary["rounds"]:
+        for metric in rec["regional"]["metrics"].values():
+            for pub in metric["regions"].values():
+                assert "contributors" not in pub
+                assert pub["participant_band"] in {
+                    "minimum_to_under_double", "double_to_under_fourfold", "fourfold_or_more"
+                }
+                assert pub["error_bar"] > 0
+
+
+def test_mlflow_run_holds_params_metrics_and_artifacts(small_run):
+    from mlflow import MlflowClient
+
+    summary, _, uri = small_run
+    client = MlflowClient(tracking_uri=uri)
+    run = client.get_run(summary["mlflow"]["run_id"])
+    assert run.info.status == "FINISHED"
+    exp = client.get_experiment(run.info.experiment_id)
+    assert exp.name == "e2e-small"
+    params = run.data.params
+    assert params["rounds"] == "5" and params["clients"] == "10" and params["seed"] == "3"
+    assert params["drift.gamma"] == "0.5"
+    tags = run.data.tags
+    assert tags["clma.region_partition.version"] == "1"
+    assert len(tags["clma.region_partition.content_hash"]) == 64
+    assert tags["clma.prefect_flow_run_id"] == summary["prefect"]["flow_run_id"]
+    hist = client.get_metric_history(run.info.run_id, "n_cohorts")
+    assert sorted((m.step, m.value) for m in hist) == [
+        (1, 1.0), (2, 1.0), (3, 3.0), (4, 3.0), (5, 3.0)
+    ]
+    q = client.get_metric_history(run.info.run_id, "quarantined_clients")
+    assert {m.step: m.value for m in q}[3] == 6.0
+    truth = client.get_metric_history(run.info.run_id, "sim_truth.stationary_accuracy")
+    assert len(truth) == 5
+    arts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"cohort_history.json", "summary.json", "reports"} <= arts
+    reports = {a.path for a in client.list_artifacts(run.info.run_id, "reports")}
+    assert reports == {f"reports/round_00{r}.json" for r in range(1, 6)}
+    local = client.download_artifacts(run.info.run_id, "cohort_history.json")
+    hist_doc = json.loads(Path(local).read_text())
+    assert hist_doc["rounds"]["3"] == {k: v for k, v in summary["rounds"][2]["cohorts"].items()}
+    # no client ids anywhere in the cohort history artifact
+    assert "members" not in json.dumps(hist_doc)
+
+
+def test_same_seed_same_cohorts_and_numbers(prefect_harness):
+    from flows.federation import federation_flow
+
+    cfg = load_config(SMALL).with_overrides(rounds=4)
+    cfg = cfg.model_copy(update={"tracking": cfg.tracking.model_copy(update={"enabled": False})})
+    a = federation_flow(cfg)
+    b = federation_flow(cfg)
+    strip = lambda s: [{k: v for k, v in r.items() if k != "seconds"} for r in s["rounds"]]  # noqa: E731
+    assert strip(a) == strip(b)
+    assert a["ground_truth"] == b["ground_truth"]
