@@ -631,6 +631,9 @@ def regional_report(
         if not isinstance(region, str) or not region:
             raise TypeError("region names must be non-empty strings")
         rseed = None if seed is None else region_seed(seed, region)
+        if np.size(by_region[region]) == 0:  # no contributor at all: below any floor
+            suppressed.append(region)
+            continue
         try:
             released[region] = aggregate_metric(
                 by_region[region], spec, epsilon=epsilon_total, min_cohort=min_cohort,
