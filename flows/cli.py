@@ -45,6 +45,15 @@ def build_parser() -> argparse.ArgumentParser:
                      help="output folder for summary.json (default: runs/latest)")
     run.add_argument("--no-tracking", action="store_true", help="do not log to MLflow")
     run.add_argument("--quiet", action="store_true", help="no progress display or table")
+
+    from flows import experiments
+
+    exp = sub.add_parser("experiment", help="run an experiment (see: clma experiment --help)")
+    exp_sub = exp.add_subparsers(dest="experiment", required=True)
+    for name in experiments.available():
+        mod = experiments.load(name)
+        ep = exp_sub.add_parser(name, help=mod.DESCRIPTION, description=mod.DESCRIPTION)
+        mod.add_arguments(ep)
     return p
 
 
@@ -148,6 +157,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "run":
         return _cmd_run(args)
+    if args.command == "experiment":
+        _quiet_prefect_defaults()
+        from flows import experiments
+
+        return int(experiments.load(args.experiment).run(args))
     raise AssertionError(f"unhandled command {args.command}")  # argparse prevents this
 
 

@@ -17,15 +17,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-from prefect import flow, task
-from prefect.cache_policies import NO_CACHE
+from prefect import flow
 from prefect.runtime import flow_run
 
 from clma.config import FederationConfig
-from clma.release import MetricSpec, regional_report
 from clma.sim.federation import ClientEvaluation, SimulatedFederation, build_federation
 from clma.sim.truth import drift_event_ari, families_separated, mean_or_none
+from tasks.evaluate import evaluate_regions_task
 from tasks.round import (
     aggregate_task,
     chunked,
@@ -57,44 +55,6 @@ class RoundRecord:
     regional: dict[str, Any] | None
     truth: dict[str, Any] = field(default_factory=dict)
     seconds: float = 0.0
-
-
-def _metric_specs(fed: SimulatedFederation) -> dict[str, MetricSpec]:
-    return {
-        "accuracy": MetricSpec("accuracy", 0.0, 1.0),
-        "loss": MetricSpec("loss", 0.0, fed.config.evaluation.loss_max),
-    }
-
-
-@task(name="evaluate-regions", cache_policy=NO_CACHE, persist_result=False)
-def evaluate_regions_task(
-    fed: SimulatedFederation, evaluations: list[ClientEvaluation], round_number: int
-) -> dict[str, Any]:
-    """Per region, per metric: clipped mean with Laplace noise once on the sum, the error
-    bar known in advance, suppression below the cohort floor (parallel composition:
-    every region spends the full evaluation epsilon). Returns the published view."""
-    ev = fed.config.evaluation
-    out: dict[str, Any] = {"round": round_number, "metrics": {}}
-    for name, spec in _metric_specs(fed).items():
-        by_region: dict[str, list[float]] = {r: [] for r in fed.partition.region_ids}
-        for e in evaluations:
-            by_region[e.region].append(getattr(e, name))
-        seed = (
-            int(np.random.default_rng([fed.config.seed, round_number, 101]).integers(2**31))
-            + len(name)
-            if ev.noise_seeded
-            else None
-        )
-        report = regional_report(
-            {r: np.asarray(v, dtype=np.float64) for r, v in by_region.items()},
-            spec,
-            epsilon_total=ev.epsilon,
-            min_cohort=ev.min_cohort,
-            seed=seed,
-        )
-        out["metrics"][name] = report.to_published_dict()
-    out["epsilon_spent"] = ev.epsilon * len(out["metrics"])
-    return out
 
 
 def _truth(

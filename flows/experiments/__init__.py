@@ -1,0 +1,33 @@
+"""Experiments run by ``clma experiment NAME``.
+
+Each experiment is a module ``flows/experiments/<name with '-' as '_'>.py`` exposing
+``DESCRIPTION: str``, ``add_arguments(parser: argparse.ArgumentParser) -> None`` and
+``run(args: argparse.Namespace) -> int`` (the exit code). They are discovered by
+module name, so adding an experiment touches no shared file.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from types import ModuleType
+
+__all__ = ["available", "load"]
+
+
+def available() -> list[str]:
+    """Experiment names (module names with '_' shown as '-')."""
+    return sorted(
+        m.name.replace("_", "-")
+        for m in pkgutil.iter_modules(__path__)
+        if not m.name.startswith("_")
+    )
+
+
+def load(name: str) -> ModuleType:
+    """Import the experiment module for ``name``. Raises ValueError for an unknown name."""
+    if name not in available():
+        raise ValueError(
+            f"experiment: unknown name {name!r}; available: {', '.join(available()) or 'none'}"
+        )
+    return importlib.import_module(f"{__name__}.{name.replace('-', '_')}")
