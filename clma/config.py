@@ -185,12 +185,22 @@ class EvaluationConfig(_Strict):
 
 
 class DivergenceConfig(_Strict):
-    """Atypical-client scoring on the shared probe set (representation-level divergence)."""
+    """Atypical-client scoring on the shared probe set (representation-level divergence).
+
+    ``action``: what the round does with the clients the representation signal flags
+    (robust z > ``z_threshold``): ``report`` (log only, aggregation unchanged),
+    ``downweight`` (their FedAvg weight is multiplied by ``downweight_factor``) or
+    ``exclude`` (FedAvg weight 0). The parameter-space baseline is always report-only.
+    """
 
     enabled: bool = True
     beta: Annotated[float, Field(ge=0.0)] = 1.0
     z_threshold: Annotated[float, Field(gt=0.0)] = 3.0
     action: Literal["report", "downweight", "exclude"] = "report"
+    downweight_factor: Annotated[float, Field(gt=0.0, lt=1.0)] = Field(
+        default=0.5,
+        description="FedAvg weight multiplier of a flagged client when action='downweight'.",
+    )
 
 
 class TrackingConfig(_Strict):
