@@ -40,6 +40,8 @@ __all__ = [
     "DivergenceConfig",
     "TrackingConfig",
     "OrchestrationConfig",
+    "BudgetConfig",
+    "DPFedAvgConfig",
     "FederationConfig",
     "default_config",
     "load_config",
@@ -137,6 +139,26 @@ class ModelConfig(_Strict):
     hidden: list[PositiveInt] = Field(default_factory=lambda: [64, 32], min_length=1)
 
 
+class DPFedAvgConfig(_Strict):
+    """DP-FedAvg on the server (McMahan et al., ICLR 2018): clipped client updates,
+    Gaussian noise ``sigma = noise_multiplier * clipping_bound / n_cohort`` on each
+    cohort's mean update. Off by default (it costs accuracy); when on, every round charges
+    the ledger's training line and training backs off when that line is refused."""
+
+    enabled: bool = False
+    clipping_bound: Annotated[float, Field(gt=0.0, le=1e6)] = Field(
+        default=1.0, description="L2 norm bound of one client's update (params - start model)."
+    )
+    noise_multiplier: Annotated[float, Field(gt=0.0, le=1e6)] = Field(
+        default=1.0, description="sigma / clipping_bound on the summed clipped updates."
+    )
+    noise_seeded: bool = Field(
+        default=True,
+        description="True: seeded simulation noise (reproducible, NOT private); "
+        "False: OpenDP's secure sampler.",
+    )
+
+
 class TrainingConfig(_Strict):
     """Local training on each client: SGD for ``local_epochs`` epochs."""
 
@@ -145,6 +167,35 @@ class TrainingConfig(_Strict):
     batch_size: PositiveInt = 16
     participation: Annotated[float, Field(gt=0.0, le=1.0)] = Field(
         default=1.0, description="Fraction of clients selected per round (seeded)."
+    )
+    dp: DPFedAvgConfig = Field(default_factory=DPFedAvgConfig)
+
+
+class BudgetConfig(_Strict):
+    """The privacy-budget ledger and the borrowing gate (rules: the policy file)."""
+
+    enabled: bool = Field(
+        default=True, description="Charge every release to the ledger before noise is drawn."
+    )
+    state_dir: str | None = Field(
+        default=None,
+        description="Folder of the durable ledger (reuse it to resume a federation); "
+        "None = a fresh temporary folder per run.",
+    )
+    policy: str | None = Field(
+        default=None, description="Privacy policy TOML; None = clma/policy/privacy_policy_v1.toml."
+    )
+    approval_gate: Literal["pause", "refuse"] = Field(
+        default="refuse",
+        description="When evaluation would overspend: 'pause' waits for a named approver "
+        "(Prefect UI form or 'clma approve'); 'refuse' (unattended runs) refuses at once, "
+        "recorded like a timeout, so training backs off.",
+    )
+    approval_timeout_seconds: PositiveInt | None = Field(
+        default=None, description="Pause timeout; None = the policy's approval_timeout_seconds."
+    )
+    approval_poll_seconds: Annotated[float, Field(gt=0.0, le=60.0)] = Field(
+        default=2.0, description="How often the paused flow checks whether it was resumed."
     )
 
 
@@ -234,6 +285,7 @@ class FederationConfig(_Strict):
     divergence: DivergenceConfig = Field(default_factory=DivergenceConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     orchestration: OrchestrationConfig = Field(default_factory=OrchestrationConfig)
+    budget: BudgetConfig = Field(default_factory=BudgetConfig)
 
     @field_validator("name")
     @classmethod
