@@ -83,19 +83,28 @@ def _find(folder: Path, stem: str) -> Path:
 def read_idx(path: str | Path) -> np.ndarray:
     """Read an IDX file (the MNIST/Fashion-MNIST format), optionally gzip-compressed.
 
-    Raises :class:`DatasetError` on a bad magic number, an unsupported type code, or a
-    payload whose size does not match the header.
+    Raises :class:`DatasetError` on a missing or unreadable file, a corrupt gzip stream, a
+    bad magic number, an unsupported type code, a truncated header, or a payload whose
+    size does not match the header.
     """
     path = Path(path)
-    with _open_maybe_gz(path) as fh:
-        head = fh.read(4)
-        if len(head) != 4 or head[0] != 0 or head[1] != 0:
-            raise DatasetError(f"{path.name}: not an IDX file (bad magic number)")
-        type_code, ndim = head[2], head[3]
-        if type_code != 0x08:
-            raise DatasetError(f"{path.name}: IDX type code must be 0x08 (unsigned byte)")
-        dims = struct.unpack(f">{ndim}I", fh.read(4 * ndim))
-        payload = fh.read()
+    if not path.is_file():
+        raise DatasetError(f"{path.name}: IDX file not found in {str(path.parent)!r}")
+    try:
+        with _open_maybe_gz(path) as fh:
+            head = fh.read(4)
+            if len(head) != 4 or head[0] != 0 or head[1] != 0:
+                raise DatasetError(f"{path.name}: not an IDX file (bad magic number)")
+            type_code, ndim = head[2], head[3]
+            if type_code != 0x08:
+                raise DatasetError(f"{path.name}: IDX type code must be 0x08 (unsigned byte)")
+            raw_dims = fh.read(4 * ndim)
+            if len(raw_dims) != 4 * ndim:
+                raise DatasetError(f"{path.name}: truncated IDX header ({ndim} dimensions)")
+            dims = struct.unpack(f">{ndim}I", raw_dims)
+            payload = fh.read()
+    except (OSError, EOFError, gzip.BadGzipFile) as exc:
+        raise DatasetError(f"{path.name}: unreadable (corrupt gzip or I/O error)") from exc
     expected = int(np.prod(dims)) if dims else 0
     if len(payload) != expected:
         raise DatasetError(f"{path.name}: payload size does not match the IDX header")
