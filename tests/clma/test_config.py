@@ -1,0 +1,175 @@
+"""clma.config: defaults, TOML loading, field-naming validation errors, overrides."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+
+from clma.config import ConfigError, FederationConfig, default_config, load_config, validate_config
+
+
+def _event(**kw):
+    ev = {"round": 1, "kind": "label_rotation", "shift": 1, "clients": [0], "family": "a"}
+    ev.update(kw)
+    return ev
+
+
+def test_default_config_is_the_documented_federation():
+    cfg = default_config()
+    assert (cfg.rounds, cfg.clients, cfg.seed, cfg.name) == (10, 20, 0, "clma-digits")
+    assert cfg.data.dataset == "digits"
+    # concept drift into two opposite families at two rounds
+    rounds = sorted({ev.round for ev in cfg.drift.events})
+    assert rounds == [4, 7]
+    for r in rounds:
+        shifts = sorted(ev.shift for ev in cfg.drift.events if ev.round == r)
+        assert shifts == [-1, 1]
+        fams = {ev.family for ev in cfg.drift.events if ev.round == r}
+        assert len(fams) == 2
+    # load_config(None) is the same object content
+    assert load_config(None) == cfg
+
+
+def test_load_config_reads_toml_and_matches_validate(tmp_path):
+    p = tmp_path / "c.toml"
+    p.write_text(
+        'name = "t1"\nrounds = 3\nclients = 6\n[data]\npartition = "dirichlet"\n'
+        "dirichlet_alpha = 0.5\n[[drift.events]]\nround = 2\nkind = \"blur\"\n"
+        'magnitude = 1.5\nfamily = "blurry"\nclients = [1, 2]\n'
+    )
+    cfg = load_config(p)
+    assert cfg.name == "t1" and cfg.rounds == 3 and cfg.clients == 6
+    assert cfg.data.partition == "dirichlet" and cfg.data.dirichlet_alpha == 0.5
+    assert cfg.drift.events[0].kind == "blur" and cfg.drift.events[0].magnitude == 1.5
+    # untouched sections keep their defaults
+    assert cfg.training == FederationConfig().training
+
+
+@pytest.mark.parametrize(
+    ("data", "field", "rule"),
+    [
+        ({"rounds": 0}, "rounds", "greater than 0"),
+        ({"clients": -3}, "clients", "greater than 0"),
+        ({"seed": -1}, "seed", "greater than or equal to 0"),
+        ({"seed": 2**32}, "seed", "less than"),
+        ({"bogus": 1}, "bogus", "unknown field"),
+        ({"data": {"holdout_fraction": 1.5}}, "data.holdout_fraction", "less than 1"),
+        ({"data": {"holdout_fraction": 0.0}}, "data.holdout_fraction", "greater than 0"),
+        ({"data": {"dirichlet_alpha": 0}}, "data.dirichlet_alpha", "greater than 0"),
+        ({"data": {"partition": "zipf"}}, "data.partition", "'iid' or 'dirichlet'"),
+        ({"data": {"dataset": "cifar10"}}, "data.data_dir", "required"),
+        ({"drift": {"gamma": 0}}, "drift.gamma", "greater than 0"),
+        ({"model": {"hidden": []}}, "model.hidden", "at least 1"),
+        ({"model": {"hidden": [8, 0]}}, "model.hidden.1", "greater than 0"),
+        ({"training": {"learning_rate": 11}}, "training.learning_rate", "less than or equal"),
+        ({"training": {"participation": 0}}, "training.participation", "greater than 0"),
+        ({"cohort": {"max_k": 1}}, "cohort.max_k", "greater than or equal to 2"),
+        ({"evaluation": {"epsilon": 0}}, "evaluation.epsilon", "greater than 0"),
+        ({"evaluation": {"loss_max": -1}}, "evaluation.loss_max", "greater than 0"),
+        ({"divergence": {"action": "ban"}}, "divergence.action", "'report'"),
+        ({"name": "has space"}, "name", "letters, digits"),
+        ({"name": ""}, "name", "at least 1"),
+        ({"drift": {"events": [_event(shift=0)]}}, "drift.events.0", "non-zero 'shift'"),
+        (
+            {"drift": {"events": [_event(kind="rotation", shift=0, magnitude=0.0)]}},
+            "drift.events.0",
+            "positive 'magnitude'",
+        ),
+        ({"drift": {"events": [_event(clients=[0, 0])]}}, "drift.events.0", "more than once"),
+        ({"drift": {"events": [_event(clients=[])]}}, "drift.events.0.clients", "at least 1"),
+        ({"drift": {"events": [_event(kind="rain")]}}, "drift.events.0.kind", "label_rotation"),
+        ({"rounds": 2, "drift": {"events": [_event(round=3)]}}, "drift.events[0].round",
+         "beyond 'rounds'"),
+        ({"clients": 4, "drift": {"events": [_event(clients=[4])]}}, "drift.events[0].clients",
+         "client ids run from 0"),
+        (
+            {"drift": {"events": [_event(clients=[2]), _event(clients=[2], shift=-1)]}},
+            "drift.events[1]",
+            "already does",
+        ),
+    ],
+)
+def test_invalid_values_name_field_and_rule(data, field, rule):
+    with pytest.raises(ConfigError) as info:
+        validate_config(data)
+    msg = str(info.value)
+    assert msg.startswith("invalid configuration: ")
+    assert field in msg
+    assert rule in msg
+    # one message, not a pydantic dump with URLs or input echo
+    assert "errors.pydantic.dev" not in msg and "input_value" not in msg
+
+
+def test_error_does_not_echo_secret_like_input():
+    with pytest.raises(ConfigError) as info:
+        validate_config({"training": {"learning_rate": "s3cr3t-value"}})
+    assert "training.learning_rate" in str(info.value)
+    assert "s3cr3t-value" not in str(info.value)
+
+
+def test_load_config_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match="cannot be read"):
+        load_config(tmp_path / "missing.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("rounds = = 3\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(bad)
+    binary = tmp_path / "bin.toml"
+    binary.write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(binary)
+    wrong = tmp_path / "wrong.toml"
+    wrong.write_text("[training]\nlocal_epochs = 0\n")
+    with pytest.raises(ConfigError, match=r"training\.local_epochs"):
+        load_config(wrong)
+
+
+def test_config_is_frozen():
+    cfg = default_config()
+    with pytest.raises(Exception, match="frozen"):
+        cfg.rounds = 3  # type: ignore[misc]
+
+
+def test_with_overrides_drops_events_outside_smaller_federation():
+    cfg = default_config()
+    small = cfg.with_overrides(clients=5, rounds=5, seed=7)
+    assert (small.clients, small.rounds, small.seed) == (5, 5, 7)
+    # only round-4 events survive rounds=5; clients >= 5 are filtered out of each event
+    assert [ev.round for ev in small.drift.events] == [4, 4]
+    assert [ev.clients for ev in small.drift.events] == [[0, 3], [1, 4]]
+    # None values mean "keep"
+    same = cfg.with_overrides(rounds=None, clients=None, seed=None)
+    assert same == cfg
+    # an event whose clients are all dropped disappears
+    tiny = cfg.with_overrides(clients=1)
+    assert [ev.clients for ev in tiny.drift.events] == [[0], [0]]
+    assert {ev.shift for ev in tiny.drift.events} == {1}
+
+
+def test_with_overrides_validates():
+    with pytest.raises(ConfigError, match="rounds"):
+        default_config().with_overrides(rounds=0)
+
+
+def test_fingerprint_is_sha256_of_canonical_json_and_changes_with_values():
+    cfg = default_config()
+    blob = json.dumps(cfg.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    assert cfg.fingerprint() == hashlib.sha256(blob.encode()).hexdigest()
+    assert cfg.with_overrides(seed=1).fingerprint() != cfg.fingerprint()
+    assert default_config().fingerprint() == cfg.fingerprint()
+
+
+def test_flat_params_dotted_string_values():
+    cfg = default_config()
+    flat = cfg.flat_params()
+    assert flat["rounds"] == "10"
+    assert flat["name"] == "clma-digits"
+    assert flat["training.learning_rate"] == "0.3"
+    assert flat["model.hidden"] == "[64, 32]"
+    assert flat["data.data_dir"] == "null"
+    assert flat["cohort.enabled"] == "true"
+    events = json.loads(flat["drift.events"])
+    assert len(events) == 4 and events[0]["family"] == "rotate+1"
+    assert all(isinstance(v, str) for v in flat.values())
