@@ -3,7 +3,7 @@
 ``federation_flow`` builds the simulated federation, opens one MLflow run, and runs
 ``round_flow`` once per round (each round is its own Prefect flow run, nested under the
 federation's, with named tasks: select-clients, train-clients (mapped over chunks),
-detect-drift, aggregate-per-cohort, cohort, merge-cohorts, evaluate-clients (mapped),
+detect-drift, score-divergence, aggregate-per-cohort, cohort, merge-cohorts, evaluate-clients (mapped),
 evaluate-regions, log-round). It runs on the embedded default: with no
 ``PREFECT_API_URL`` Prefect starts a temporary local API; nothing to start by hand.
 """
@@ -23,6 +23,7 @@ from prefect.runtime import flow_run
 from clma.config import FederationConfig
 from clma.sim.federation import ClientEvaluation, SimulatedFederation, build_federation
 from clma.sim.truth import drift_event_ari, families_separated, mean_or_none
+from tasks.divergence import DivergenceOutcome, probe_sha256, score_divergence_task
 from tasks.evaluate import evaluate_regions_task
 from tasks.round import (
     aggregate_task,
@@ -55,6 +56,7 @@ class RoundRecord:
     regional: dict[str, Any] | None
     truth: dict[str, Any] = field(default_factory=dict)
     seconds: float = 0.0
+    divergence: dict | None = None  # DivergenceOutcome.summary(): statistics, no client ids
 
 
 def _truth(
@@ -80,8 +82,17 @@ def _truth(
 
 
 @flow(name="clma-round", flow_run_name="round-{round_number}")
-def round_flow(fed: SimulatedFederation, round_number: int) -> RoundRecord:
-    """One federated round of CLMA (or plain FedAvg when cohorting is disabled)."""
+def round_flow(
+    fed: SimulatedFederation,
+    round_number: int,
+    on_divergence: Callable[[DivergenceOutcome], None] | None = None,
+) -> RoundRecord:
+    """One federated round of CLMA (or plain FedAvg when cohorting is disabled).
+
+    ``on_divergence`` (simulations, experiments) receives the round's full
+    :class:`tasks.divergence.DivergenceOutcome`, client ids included; the record keeps only
+    its id-free summary.
+    """
     t0 = time.perf_counter()
     cfg = fed.config
     selected = select_clients_task(fed, round_number)
@@ -108,7 +119,14 @@ def round_flow(fed: SimulatedFederation, round_number: int) -> RoundRecord:
     if quarantined and fed.merge_reference is None:
         first_source = next(u.cohort_id for u in updates if u.client_id in set(quarantined))
         fed.merge_reference = start_models[first_source].copy()
-    models = aggregate_task(updates, quarantined, start_models)
+    div = None
+    if cfg.divergence.enabled:
+        div = score_divergence_task(fed, updates, start_models, round_number)
+        if on_divergence is not None:
+            on_divergence(div)
+    # div.flagged (representation signal) is the atypical set; div.weights is None for
+    # action 'report', else flagged client -> FedAvg weight multiplier (0 for 'exclude').
+    models = aggregate_task(updates, quarantined, start_models, div.weights if div else None)
     models, outcome = cohort_task(fed, updates, quarantined, models, round_number, start_models)
     models, merges = merge_task(fed, models, round_number)
     fed.cohort_models = {c: models[c] for c in fed.registry.active_cohorts()}
@@ -141,6 +159,7 @@ def round_flow(fed: SimulatedFederation, round_number: int) -> RoundRecord:
         regional=regional,
         truth=_truth(fed, evaluations, drifted_now),
         seconds=time.perf_counter() - t0,
+        divergence=div.summary() if div is not None else None,
     )
 
 
@@ -163,6 +182,12 @@ def _round_metrics(rec: RoundRecord) -> dict[str, float]:
             m[f"sim_truth.{k}"] = rec.truth[k]
     if "drift_event" in rec.truth:
         m["sim_truth.drift_event_ari"] = rec.truth["drift_event"]["ari"]
+    if rec.divergence:  # distribution and count only: nothing per client
+        for signal in ("representation", "parameter"):
+            for k in ("median", "mad", "max_z", "n_flagged"):
+                v = rec.divergence[signal][k]
+                if v is not None:
+                    m[f"divergence.{signal}.{k}"] = v
     return m
 
 
@@ -263,6 +288,7 @@ def federation_flow(
     out_dir: str | None = None,
     parent_mlflow_run_id: str | None = None,
     on_round: Callable[[RoundRecord], None] | None = None,
+    on_divergence: Callable[[DivergenceOutcome], None] | None = None,
 ) -> dict[str, Any]:
     """A federation of ``config.rounds`` rounds, tracked in one MLflow run.
 
@@ -292,6 +318,7 @@ def federation_flow(
                 if config.evaluation.noise_seeded
                 else "opendp",
                 "clma.sim_truth_metrics": "true",
+                "clma.probe_sha256": probe_sha256(fed),
             },
             parent_run_id=parent_mlflow_run_id,
         )
@@ -299,7 +326,7 @@ def federation_flow(
     status = "FAILED"
     try:
         for r in range(1, config.rounds + 1):
-            rec = round_flow(fed, r)
+            rec = round_flow(fed, r, on_divergence=on_divergence)
             records.append(rec)
             if tracker:
                 tracker.log_metrics(_round_metrics(rec), step=r)

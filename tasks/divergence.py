@@ -1,0 +1,251 @@
+"""Prefect task: score every client of a round for atypical behaviour (issue 6, items 5-6).
+
+Two signals, computed on the same round from the same updates:
+
+* **representation** (the product's signal, arXiv:2605.22266, Pérez-Corral et al. 2026,
+  Sec. 3-4): ``D_c`` = hierarchical divergence between the activation-pattern affinities of
+  client ``c``'s local model and of the model it started the round from (its cohort's start
+  model), on the federation's fixed shared probe set ``fed.probe_x``; robust z across the
+  round's clients (median / 1.4826 MAD, :func:`clma.divergence.robust_z_stats`); clients with
+  ``z > divergence.z_threshold`` are flagged;
+* **parameter baseline**: cosine distance of each client's update (``params - start model``)
+  to the *leave-one-out* mean update of the other clients (unweighted), with the same robust
+  z and threshold (:func:`clma.divergence.parameter_baseline` with ``leave_one_out=True``:
+  without it the mean includes the client itself, and one huge outlier drags the mean
+  towards itself and can rank *lowest*). The baseline is report-only.
+
+The representation signal's flagged set drives ``divergence.action``: ``report`` leaves
+aggregation unchanged (weights ``None``); ``downweight`` multiplies a flagged client's FedAvg
+weight by ``divergence.downweight_factor`` (default 0.5); ``exclude`` sets it to 0.
+
+Privacy: :meth:`DivergenceOutcome.summary` (what goes to MLflow and the round record) holds
+distribution statistics and counts only, never a client id. The full reports (client id ->
+score) stay in memory on the server, which already sees individual updates (DESIGN.md, trust
+model).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from clma.divergence import (
+    DivergenceReport,
+    RepresentationScorer,
+    parameter_baseline,
+    probe_digest,
+    robust_z_stats,
+)
+from clma.params import AllParams, vector_to_model
+from clma.rounds import ClientUpdate
+from clma.sim.federation import SimulatedFederation
+
+__all__ = [
+    "DivergenceOutcome",
+    "aggregation_weights",
+    "probe_sha256",
+    "score_divergence",
+    "score_divergence_task",
+]
+
+_TASK = {"cache_policy": NO_CACHE, "persist_result": False}
+
+
+def _nan_to_none(v: float) -> float | None:
+    return float(v) if math.isfinite(v) else None
+
+
+def _report_summary(rep: DivergenceReport) -> dict[str, Any]:
+    """Distribution statistics of one report, without client ids (JSON-able)."""
+    return {
+        "median": _nan_to_none(rep.median),
+        "mad": _nan_to_none(rep.mad),
+        "scale": _nan_to_none(rep.scale),
+        "scale_rule": rep.scale_rule,
+        "max_z": _nan_to_none(rep.max_z),
+        "n_flagged": rep.n_flagged,
+        "n_clients": len(rep.scores),
+        "z_threshold": rep.z_threshold,
+    }
+
+
+@dataclass(frozen=True)
+class DivergenceOutcome:
+    """One round's atypical-client scores (server side, in memory).
+
+    Attributes:
+        round: round number.
+        action: ``report`` | ``downweight`` | ``exclude`` (from the config).
+        representation: representation-signal report (client id -> ``D_c``, z, flagged).
+        parameter: parameter-baseline report (leave-one-out cosine distance, z, flagged).
+        probe_sha256: :func:`clma.divergence.probe_digest` of the probe set used.
+        weights: client id -> FedAvg weight multiplier for the flagged clients, or ``None``
+            (action ``report``, or nobody flagged).
+    """
+
+    round: int
+    action: str
+    representation: DivergenceReport
+    parameter: DivergenceReport
+    probe_sha256: str
+    weights: dict[int, float] | None
+
+    @property
+    def flagged(self) -> list[int]:
+        """Clients flagged by the representation signal (drives ``action``), sorted."""
+        return [int(c) for c in self.representation.flagged]
+
+    def summary(self) -> dict[str, Any]:
+        """Id-free summary for the round record and MLflow (no client ids, counts only)."""
+        return {
+            "action": self.action,
+            "probe_sha256": self.probe_sha256,
+            "representation": _report_summary(self.representation),
+            "parameter": {**_report_summary(self.parameter), "leave_one_out": True},
+            "n_reweighted": 0 if self.weights is None else len(self.weights),
+        }
+
+
+def probe_sha256(fed: SimulatedFederation) -> str:
+    """SHA-256 of the federation's shared probe set (float32 bytes + shape)."""
+    return probe_digest(fed.probe_x)
+
+
+def aggregation_weights(
+    flagged: Sequence[int], action: str, downweight_factor: float
+) -> dict[int, float] | None:
+    """FedAvg weight multipliers for the flagged clients under ``action``.
+
+    ``report`` (or no flagged client) -> ``None`` (aggregation unchanged); ``downweight`` ->
+    ``downweight_factor`` for each flagged client; ``exclude`` -> ``0.0``. Raises
+    ``ValueError`` for another action.
+    """
+    if action not in ("report", "downweight", "exclude"):
+        raise ValueError("divergence.action must be 'report', 'downweight' or 'exclude'")
+    if action == "report" or not flagged:
+        return None
+    factor = 0.0 if action == "exclude" else float(downweight_factor)
+    return {int(c): factor for c in flagged}
+
+
+def _round_report(
+    ids: list[int], scores: list[float], z_threshold: float, beta: float,
+    per_layer: dict[int, list[float]],
+) -> DivergenceReport:
+    """Representation report with z taken across *all* the round's clients (all cohorts)."""
+    x = np.asarray(scores, dtype=np.float64)
+    rz = robust_z_stats(x)
+    z = {c: float(v) for c, v in zip(ids, rz.z, strict=True)}
+    flagged = sorted(c for c in ids if z[c] > z_threshold)  # NaN (n < 3) never flags
+    max_z = float(np.max(rz.z)) if rz.z.size and np.isfinite(rz.z).all() else math.nan
+    return DivergenceReport(
+        method="representation",
+        scores={c: float(s) for c, s in zip(ids, x, strict=True)},
+        z=z,
+        flagged=flagged,
+        median=rz.median,
+        mad=rz.mad,
+        scale=rz.scale,
+        scale_rule=rz.rule,
+        max_z=max_z,
+        z_threshold=z_threshold,
+        beta=beta,
+        layer_divergences=per_layer,
+    )
+
+
+def score_divergence(
+    fed: SimulatedFederation,
+    updates: Sequence[ClientUpdate],
+    start_models: Mapping[int, np.ndarray],
+    round_number: int,
+) -> DivergenceOutcome:
+    """Score every client of the round (see the module docstring). Pure server-side step.
+
+    Args:
+        fed: the federation (``fed.probe_x`` ``(P, c, h, w)`` float32 probe set,
+            ``fed.spec`` the architecture, ``fed.config.divergence`` the settings).
+        updates: the round's client updates; ``params`` float32 ``(n_params,)`` full state
+            (``AllParams`` order), ``cohort_id`` the cohort the client started from.
+        start_models: cohort id -> float32 ``(n_params,)`` model the cohort's clients started
+            this round from (before aggregation).
+        round_number: the round (>= 1).
+
+    Returns:
+        :class:`DivergenceOutcome`. With fewer than 3 clients every z is NaN and nobody is
+        flagged (:func:`clma.divergence.robust_z_stats`).
+
+    Raises:
+        ValueError: no updates, duplicate client ids, an update whose cohort has no start
+            model, or a parameter vector of the wrong length.
+    """
+    cfg = fed.config.divergence
+    if not updates:
+        raise ValueError("updates: a round needs at least one client update to score")
+    ids = [int(u.client_id) for u in updates]
+    if len(set(ids)) != len(ids):
+        raise ValueError("updates: client ids must be distinct")
+    missing = sorted({u.cohort_id for u in updates} - set(start_models))
+    if missing:
+        raise ValueError("start_models: a client's cohort has no start model")
+
+    scorer = RepresentationScorer(fed.probe_x, beta=cfg.beta, z_threshold=cfg.z_threshold)
+    selector = AllParams()
+
+    def module(vec: np.ndarray):
+        return vector_to_model(vec, fed.spec.build(), selector)
+
+    # representation: D_c against the client's own cohort start model (one reference per cohort)
+    by_cohort: dict[int, list[ClientUpdate]] = defaultdict(list)
+    for u in updates:
+        by_cohort[u.cohort_id].append(u)
+    score_of: dict[int, float] = {}
+    per_layer: dict[int, list[float]] = {}
+    for cohort, members in sorted(by_cohort.items()):
+        rep = scorer.score(
+            module(start_models[cohort]), {u.client_id: module(u.params) for u in members}
+        )
+        score_of.update({int(c): float(s) for c, s in rep.scores.items()})
+        per_layer.update({int(c): list(v) for c, v in rep.layer_divergences.items()})
+    representation = _round_report(
+        ids, [score_of[c] for c in ids], cfg.z_threshold, cfg.beta, per_layer
+    )
+
+    # parameter baseline: update = local - start model, leave-one-out mean, same robust z
+    stack = np.stack(
+        [np.asarray(u.params, np.float32) - np.asarray(start_models[u.cohort_id], np.float32)
+         for u in updates]
+    )
+    if len(ids) >= 2:
+        parameter = parameter_baseline(
+            stack, ids, z_threshold=cfg.z_threshold, leave_one_out=True
+        )
+    else:  # leave-one-out needs two clients; one client has no z anyway
+        parameter = parameter_baseline(stack, ids, z_threshold=cfg.z_threshold)
+
+    return DivergenceOutcome(
+        round=int(round_number),
+        action=cfg.action,
+        representation=representation,
+        parameter=parameter,
+        probe_sha256=scorer.probe_sha256,
+        weights=aggregation_weights(representation.flagged, cfg.action, cfg.downweight_factor),
+    )
+
+
+@task(name="score-divergence", **_TASK)
+def score_divergence_task(
+    fed: SimulatedFederation,
+    updates: Sequence[ClientUpdate],
+    start_models: Mapping[int, np.ndarray],
+    round_number: int,
+) -> DivergenceOutcome:
+    """Prefect task wrapping :func:`score_divergence` (one call per round, all clients)."""
+    return score_divergence(fed, updates, start_models, round_number)
