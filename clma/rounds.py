@@ -96,8 +96,11 @@ def fedavg(vectors: Sequence[np.ndarray], weights: Sequence[float]) -> np.ndarra
     if not vectors:
         raise ValueError("vectors: nothing to average")
     w = np.asarray(weights, dtype=np.float64)
-    if w.shape != (len(vectors),) or np.any(w < 0) or w.sum() <= 0:
-        raise ValueError("weights must be non-negative, one per vector, with a positive sum")
+    if (w.shape != (len(vectors),) or not np.all(np.isfinite(w)) or np.any(w < 0)
+            or w.sum() <= 0):
+        raise ValueError(
+            "weights must be finite and non-negative, one per vector, with a positive sum"
+        )
     n = vectors[0].shape
     acc = np.zeros(n, dtype=np.float64)
     for v, wi in zip(vectors, w, strict=True):
