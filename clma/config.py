@@ -223,7 +223,10 @@ class EvaluationConfig(_Strict):
         default=1.0, description="Epsilon of one regional release (parallel across regions)."
     )
     min_cohort: PositiveInt = Field(
-        default=3, description="Regions with fewer contributing clients are suppressed."
+        default=3,
+        description="Regions with fewer contributing clients are suppressed. The floor in "
+        "force is max(min_cohort, privacy policy evaluation.minimum_group_size), so a value "
+        "below the policy floor (5) is raised to it (tasks/evaluate.py).",
     )
     loss_max: Annotated[float, Field(gt=0.0)] = Field(
         default=5.0, description="Clipping bound L_max of the mean loss, in nats."
@@ -232,6 +235,37 @@ class EvaluationConfig(_Strict):
         default=True,
         description="True: noise from a seeded simulation sampler (reproducible, NOT for "
         "production); False: OpenDP's secure sampler.",
+    )
+    global_epsilon: Annotated[float, Field(gt=0.0, le=100.0)] | None = Field(
+        default=None, description="Epsilon of the global release; None = epsilon."
+    )
+    health_epsilon: Annotated[float, Field(gt=0.0, le=100.0)] = Field(
+        default=0.5, description="Epsilon of each round-health release (dropout rate)."
+    )
+    dropout_rate: Annotated[float, Field(ge=0.0, lt=1.0)] = Field(
+        default=0.0,
+        description="Simulated probability that a client drops out of an evaluation "
+        "round's secure aggregation (seeded).",
+    )
+    secagg_threshold: Annotated[float, Field(gt=0.5, le=1.0)] = Field(
+        default=0.6,
+        description="Secure-aggregation threshold t as a fraction of each client's share "
+        "holders (a strict majority); below t survivors a group is not evaluated.",
+    )
+    baseline_from_round: PositiveInt = Field(
+        default=1,
+        description="Alert baselines are recorded at the first evaluation at or after "
+        "this round (earlier releases are published but not compared).",
+    )
+    merge_after: PositiveInt = Field(
+        default=3,
+        description="A region suppressed in this many consecutive evaluations is merged, "
+        "for monitoring only, with the neighbour its partition file names.",
+    )
+    bounds_every: Annotated[int, Field(ge=0)] = Field(
+        default=0,
+        description="Re-derive the loss clip bound from the published global error "
+        "histogram every k evaluations (0 = never).",
     )
 
 
