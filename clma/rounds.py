@@ -20,6 +20,7 @@ and the ``param_selector``'s sub-vector for cohorting.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -38,6 +39,10 @@ __all__ = [
     "aggregate_per_cohort",
     "cohort_quarantined",
     "merge_reconverged",
+    "DPFedAvgResult",
+    "clip_update",
+    "dp_fedavg",
+    "dp_aggregate_per_cohort",
 ]
 
 
@@ -216,3 +221,132 @@ def merge_reconverged(
         models[new_id] = fedavg([models[c] for c in group], [max(sizes.get(c, 1), 1) for c in group])
         merges.append((group, new_id))
     return models, merges
+
+
+# --------------------------------------------------------------------------- DP-FedAvg
+
+
+@dataclass(frozen=True)
+class DPFedAvgResult:
+    """Result of :func:`dp_fedavg` for one cohort.
+
+    ``model``: float32 ``(n_params,)`` = reference + noisy mean of the clipped updates;
+    ``sigma``: standard deviation of the Gaussian noise added to each coordinate of the
+    mean (``noise_multiplier * clipping_bound / n_clients``); ``n_clients``; ``n_clipped``:
+    updates whose L2 norm exceeded the bound; ``noise_source``: ``opendp`` or
+    ``seeded-simulation``.
+    """
+
+    model: np.ndarray
+    sigma: float
+    n_clients: int
+    n_clipped: int
+    noise_source: str
+
+
+def clip_update(update: np.ndarray, clipping_bound: float) -> tuple[np.ndarray, bool]:
+    """Scale ``update`` to L2 norm at most ``clipping_bound``: ``u * min(1, C / ||u||)``.
+
+    Returns ``(clipped float64 (n_params,), was_clipped)``. Raises ValueError for a
+    non-positive bound or a non-finite update.
+    """
+    c = float(clipping_bound)
+    if not (math.isfinite(c) and c > 0.0):
+        raise ValueError("clipping_bound must be a positive finite number")
+    u = np.asarray(update, dtype=np.float64)
+    if u.ndim != 1 or not np.all(np.isfinite(u)):
+        raise ValueError("update must be a finite 1-D vector")
+    norm = float(np.linalg.norm(u))
+    if norm <= c:
+        return u, False
+    return u * (c / norm), True
+
+
+def dp_fedavg(
+    client_params: Sequence[np.ndarray],
+    reference: np.ndarray,
+    *,
+    clipping_bound: float,
+    noise_multiplier: float,
+    seed: int | np.random.Generator | None = None,
+) -> DPFedAvgResult:
+    """DP-FedAvg server step for one cohort (McMahan, Ramage, Talwar & Zhang, ICLR 2018,
+    Algorithm 1 with the fixed-denominator estimator).
+
+    Each client's update ``params - reference`` is clipped to L2 norm ``clipping_bound``
+    (:func:`clip_update`); the clipped updates are averaged with equal weights over the
+    ``n`` clients, and Gaussian noise ``N(0, sigma^2 I)`` with
+    ``sigma = noise_multiplier * clipping_bound / n`` is added once to the mean (the L2
+    sensitivity of the mean to adding or removing one client is ``clipping_bound / n``,
+    so the release is the Gaussian mechanism with noise multiplier ``noise_multiplier``;
+    charge it as ``MechanismEvent.gaussian(noise_multiplier, sampling_probability)``).
+
+    Args:
+        client_params: the cohort's client vectors, each float32 ``(n_params,)``.
+        reference: the cohort model the clients started from, float32 ``(n_params,)``.
+        clipping_bound: L2 bound ``C`` of one update (> 0).
+        noise_multiplier: ``z`` (> 0).
+        seed: ``None`` draws from OpenDP's Gaussian sampler
+            (:func:`clma.privacy.mechanisms.sample`); an int or Generator uses numpy
+            (reproducible simulation, ``noise_source="seeded-simulation"``).
+
+    Returns:
+        :class:`DPFedAvgResult` (model float32 ``(n_params,)``).
+
+    Raises:
+        ValueError: no clients, mismatched shapes, non-finite vectors or bad parameters.
+    """
+    from clma.privacy.mechanisms import sample
+
+    if not client_params:
+        raise ValueError("client_params: a cohort needs at least one client update")
+    z = float(noise_multiplier)
+    if not (math.isfinite(z) and z > 0.0):
+        raise ValueError("noise_multiplier must be a positive finite number")
+    ref = np.asarray(reference, dtype=np.float64)
+    if ref.ndim != 1 or not np.all(np.isfinite(ref)):
+        raise ValueError("reference must be a finite 1-D vector")
+    total = np.zeros_like(ref)
+    n_clipped = 0
+    for p in client_params:
+        v = np.asarray(p, dtype=np.float64)
+        if v.shape != ref.shape:
+            raise ValueError("client_params must all have the reference's shape")
+        clipped, was = clip_update(v - ref, clipping_bound)
+        total += clipped
+        n_clipped += int(was)
+    n = len(client_params)
+    sigma = z * float(clipping_bound) / n
+    noisy_mean, source = sample(total / n, sigma, mechanism="gaussian", seed=seed)
+    model = (ref + np.asarray(noisy_mean, dtype=np.float64)).astype(np.float32)
+    return DPFedAvgResult(model=model, sigma=sigma, n_clients=n, n_clipped=n_clipped,
+                          noise_source=str(source))
+
+
+def dp_aggregate_per_cohort(
+    updates: Sequence[ClientUpdate],
+    quarantined: Sequence[int],
+    cohort_models: Mapping[int, np.ndarray],
+    *,
+    clipping_bound: float,
+    noise_multiplier: float,
+    seed: int | None = None,
+) -> tuple[dict[int, np.ndarray], dict[int, DPFedAvgResult]]:
+    """:func:`dp_fedavg` within each cohort over its non-quarantined members (the DP
+    counterpart of :func:`aggregate_per_cohort`; equal client weights). A cohort with no
+    usable update keeps its model. ``seed`` (int) derives one numpy stream per cohort;
+    ``None`` uses OpenDP. Returns the new models and the per-cohort results."""
+    held = set(quarantined)
+    groups: dict[int, list[ClientUpdate]] = defaultdict(list)
+    for u in updates:
+        if u.client_id not in held:
+            groups[u.cohort_id].append(u)
+    out = dict(cohort_models)
+    results: dict[int, DPFedAvgResult] = {}
+    for cid, members in sorted(groups.items()):
+        s = None if seed is None else np.random.default_rng([int(seed), int(cid)])
+        res = dp_fedavg([u.params for u in members], cohort_models[cid],
+                        clipping_bound=clipping_bound, noise_multiplier=noise_multiplier, seed=s)
+        out[cid] = res.model
+        results[cid] = res
+    return out, results
