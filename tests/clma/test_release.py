@@ -308,3 +308,8 @@ def test_suppressed_region_band_edges():
                    "6_or_more", "6_or_more"]
     with pytest.raises(ValueError, match="n_suppressed"):
         suppressed_region_band(-1)
+
+
+def test_region_without_contributors_is_suppressed():
+    rep = regional_report({"empty": [], "full": np.full(60, 0.5)}, ACC, epsilon_total=1.0, seed=0)
+    assert set(rep) == {"full"} and rep.suppressed_regions == ("empty",)
