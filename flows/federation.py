@@ -23,6 +23,13 @@ from prefect.runtime import flow_run
 from clma.config import FederationConfig
 from clma.sim.federation import ClientEvaluation, SimulatedFederation, build_federation
 from clma.sim.truth import drift_event_ari, families_separated, mean_or_none
+from tasks.budget import (
+    BudgetState,
+    budgeted_evaluation,
+    dp_aggregate_task,
+    open_budget,
+    report_budget_round,
+)
 from tasks.divergence import DivergenceOutcome, probe_sha256, score_divergence_task
 from tasks.evaluate import evaluate_regions_task
 from tasks.round import (
@@ -86,6 +93,7 @@ def round_flow(
     fed: SimulatedFederation,
     round_number: int,
     on_divergence: Callable[[DivergenceOutcome], None] | None = None,
+    budget: BudgetState | None = None,
 ) -> RoundRecord:
     """One federated round of CLMA (or plain FedAvg when cohorting is disabled).
 
@@ -126,7 +134,11 @@ def round_flow(
             on_divergence(div)
     # div.flagged (representation signal) is the atypical set; div.weights is None for
     # action 'report', else flagged client -> FedAvg weight multiplier (0 for 'exclude').
-    models = aggregate_task(updates, quarantined, start_models, div.weights if div else None)
+    if cfg.training.dp.enabled:  # DP-FedAvg, charged to the training line (tasks/budget.py)
+        models, _ = dp_aggregate_task(fed, budget, updates, quarantined, start_models,
+                                      round_number, div.weights if div else None)
+    else:
+        models = aggregate_task(updates, quarantined, start_models, div.weights if div else None)
     models, outcome = cohort_task(fed, updates, quarantined, models, round_number, start_models)
     models, merges = merge_task(fed, models, round_number)
     fed.cohort_models = {c: models[c] for c in fed.registry.active_cohorts()}
@@ -144,7 +156,13 @@ def round_flow(
     ]
     evaluations = [e for f in eval_futures for e in f.result()]
     if round_number % cfg.evaluation.every == 0:
-        regional = evaluate_regions_task(fed, evaluations, round_number)
+        if budget is not None:  # every release charged before its noise (tasks/budget.py)
+            from flows.approval import borrow_gate
+
+            regional = budgeted_evaluation(fed, budget, evaluations, round_number,
+                                           gate=borrow_gate, run_id=str(flow_run.id or ""))
+        else:
+            regional = evaluate_regions_task(fed, evaluations, round_number)
     fed.rounds_done = round_number
     return RoundRecord(
         round=round_number,
@@ -299,6 +317,7 @@ def federation_flow(
 
     torch.set_num_threads(1)  # small models; also makes float results thread-independent
     fed = build_federation(config)
+    budget = open_budget(config) if config.budget.enabled else None
     prefect_id = str(flow_run.id) if flow_run.id else None
     tracker: FederationTracker | None = None
     if config.tracking.enabled:
@@ -322,16 +341,20 @@ def federation_flow(
             },
             parent_run_id=parent_mlflow_run_id,
         )
+        if budget is not None:
+            tracker.set_tags(budget.tags())
     records: list[RoundRecord] = []
     status = "FAILED"
     try:
         for r in range(1, config.rounds + 1):
-            rec = round_flow(fed, r, on_divergence=on_divergence)
+            rec = round_flow(fed, r, on_divergence=on_divergence, budget=budget)
             records.append(rec)
             if tracker:
                 tracker.log_metrics(_round_metrics(rec), step=r)
                 if rec.regional:
                     tracker.log_dict(rec.regional, f"reports/round_{r:03d}.json")
+            if budget is not None:
+                report_budget_round(budget, tracker, r)
             if on_round:
                 on_round(rec)
         status = "FINISHED"
