@@ -1,0 +1,549 @@
+"""Prefect tasks of the privacy budget: charge every release before its noise is drawn.
+
+The federation's :class:`~clma.budget.PrivacyLedger` (SQLite, in ``budget.state_dir``)
+and its :class:`~clma.budget.PrivacyPolicy` (``budget.policy``, default the shipped
+``clma/policy/privacy_policy_v1.toml``) live in a :class:`BudgetState` opened once per
+federation run (:func:`open_budget`).
+
+Rounds. The flow counts rounds from 1; the ledger from 0: ledger round =
+``round_number - 1`` and the budget epoch is ``(round_number - 1) // epoch_length_rounds``
+(:func:`ledger_round`).
+
+Evaluation (:func:`budgeted_evaluation`). The round's releases come from
+``tasks.evaluate.planned_releases(fed, round_number)`` when that function exists, else from
+what :func:`tasks.evaluate.evaluate_regions_task` releases (one regional Laplace release
+per metric at ``evaluation.epsilon``, parallel composition across regions). For each
+release, in order:
+
+1. a regional release on a round off the policy's ``regional_cadence_rounds`` is skipped
+   (``off_cadence``; nothing charged, nothing drawn);
+2. the charge is reserved with the idempotency key ``(epoch, round, release name)``
+   (``evaluation.global`` or ``evaluation.regional`` line; regional charges carry the
+   client -> region membership so a client moving region switches the line to the sum);
+3. a charge refused because the line would exceed its cap goes to the borrowing gate
+   (``gate``: :func:`flows.approval.borrow_gate`) at most once per (epoch, line) — the
+   ledger's borrow records make that durable across re-runs; if the borrow is approved
+   the charge is reserved again;
+4. only a granted reservation draws noise; the published report is committed into the
+   ledger, so a re-run (Prefect retry, restart after a crash) republishes the stored
+   report and draws nothing (``republished``); a refused release draws no noise and is
+   reported (``refused`` with the reason).
+
+Training (:func:`dp_aggregate_task`): with ``training.dp.enabled``, DP-FedAvg
+(:func:`clma.rounds.dp_aggregate_per_cohort`) after one training charge per round
+(``MechanismEvent.gaussian(noise_multiplier, sampling_probability=participation)``). A
+refused charge (line exhausted, or frozen after a refused borrow) means *training backs
+off*: no aggregation this round, every cohort keeps its model; evaluation continues on its
+own lines. The released models are committed into the ledger, so a re-run republishes
+them instead of drawing new noise.
+
+Reporting (:func:`report_budget_round`): the ledger table in MLflow (``log_table``,
+``budget/ledger.json``), the decisions (``budget/decisions.json``), per-line metrics, tags
+for the policy and every borrowing decision, and a Prefect table artifact every round.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import importlib
+import json
+import math
+import re
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import numpy as np
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from clma.budget import (
+    BorrowDecision,
+    BorrowRequest,
+    LineItem,
+    MechanismEvent,
+    PrivacyLedger,
+    PrivacyPolicy,
+    Reservation,
+    default_policy,
+    load_policy,
+)
+from clma.config import FederationConfig
+from clma.release import MetricSpec, regional_report
+from clma.rounds import ClientUpdate, dp_aggregate_per_cohort
+from clma.sim.federation import ClientEvaluation, SimulatedFederation
+
+__all__ = [
+    "TRAINING_RELEASE",
+    "BudgetState",
+    "ReleasePlan",
+    "budgeted_evaluation",
+    "dp_aggregate_task",
+    "ledger_round",
+    "open_budget",
+    "planned_releases",
+    "prefect_artifact_key",
+    "regional_on_cadence",
+    "report_budget_round",
+]
+
+TRAINING_RELEASE = "training.dp-fedavg"
+_TASK = {"cache_policy": NO_CACHE, "persist_result": False}
+
+
+# --------------------------------------------------------------------------- state
+
+
+@dataclass
+class BudgetState:
+    """The ledger, its policy and the run's budget settings (one per federation run).
+
+    ``events`` collects what the ledger does not hold itself (releases skipped off the
+    regional cadence, how each borrow request was put to the gate) for
+    ``budget/decisions.json``.
+    """
+
+    ledger: PrivacyLedger
+    policy: PrivacyPolicy
+    config: FederationConfig
+    state_dir: Path
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def ledger_path(self) -> Path:
+        return self.ledger.path
+
+    def tags(self) -> dict[str, str]:
+        """MLflow tags: policy version and content hash, ledger path, gate mode, DP."""
+        dp = self.config.training.dp
+        return {
+            "clma.policy.version": self.policy.policy_version,
+            "clma.policy.content_hash": self.policy.content_hash,
+            "clma.policy.rules_hash": self.policy.rules_hash,
+            "clma.policy.source": self.policy.source,
+            "clma.budget.ledger_path": str(self.ledger_path),
+            "clma.budget.approval_gate": self.config.budget.approval_gate,
+            "clma.training.dp": "dp-fedavg" if dp.enabled else "off",
+            "clma.training.dp.noise_source": (
+                "seeded-simulation" if dp.noise_seeded else "opendp"
+            ) if dp.enabled else "none",
+        }
+
+    def approval_timeout(self) -> int:
+        """Pause timeout (s): ``budget.approval_timeout_seconds`` or the policy's."""
+        t = self.config.budget.approval_timeout_seconds
+        return int(t if t is not None else self.policy.borrowing.approval_timeout_seconds)
+
+
+def open_budget(config: FederationConfig) -> BudgetState:
+    """Open (or create) the federation's ledger under ``budget.state_dir`` (a fresh
+    temporary folder when unset) with the configured policy. Raises
+    :class:`clma.budget.PolicyError` for a bad policy file."""
+    b = config.budget
+    policy = load_policy(b.policy) if b.policy else default_policy()
+    if b.state_dir:
+        state_dir = Path(b.state_dir)
+    else:
+        state_dir = Path(tempfile.mkdtemp(prefix=f"clma-state-{config.name}-"))
+    state_dir.mkdir(parents=True, exist_ok=True)
+    ledger = PrivacyLedger(state_dir, policy)
+    return BudgetState(ledger=ledger, policy=policy, config=config, state_dir=state_dir)
+
+
+def ledger_round(round_number: int) -> int:
+    """Ledger round (from 0) of a flow round (from 1). Raises ValueError below 1."""
+    if type(round_number) is not int or round_number < 1:
+        raise ValueError("round_number: flow rounds are integers from 1")
+    return round_number - 1
+
+
+def regional_on_cadence(policy: PrivacyPolicy, round_number: int) -> bool:
+    """Whether the policy allows regional releases in this flow round: every
+    ``regional_cadence_rounds`` rounds, starting with the first round of the run."""
+    return ledger_round(round_number) % policy.evaluation.regional_cadence_rounds == 0
+
+
+# --------------------------------------------------------------------------- release plan
+
+
+class ReleasePlan(BaseModel):
+    """One release of a round as the ledger sees it (no values, no counts).
+
+    ``name`` is unique within the round (idempotency key); ``metric`` names the metric;
+    ``scope`` ``global`` (one release over the cohort) or ``regional`` (one per region,
+    parallel composition); ``mechanism`` ``laplace`` (``epsilon``) or ``gaussian``
+    (``noise_multiplier`` = sigma / L2 sensitivity, with ``delta`` accounted by the line).
+    """
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    name: Annotated[str, Field(min_length=1, max_length=200)]
+    metric: Annotated[str, Field(min_length=1, max_length=100)]
+    scope: Literal["global", "regional"]
+    mechanism: Literal["laplace", "gaussian"] = "laplace"
+    epsilon: Annotated[float, Field(gt=0.0, le=1e6)] | None = None
+    delta: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.0
+    noise_multiplier: Annotated[float, Field(gt=0.0, le=1e6)] | None = None
+
+    @model_validator(mode="after")
+    def _parameters(self) -> ReleasePlan:
+        if self.mechanism == "laplace" and self.epsilon is None:
+            raise ValueError("a laplace release needs epsilon")
+        if self.mechanism == "gaussian" and self.noise_multiplier is None:
+            raise ValueError("a gaussian release needs noise_multiplier")
+        return self
+
+    @property
+    def line(self) -> LineItem:
+        return LineItem.EVALUATION_GLOBAL if self.scope == "global" else LineItem.EVALUATION_REGIONAL
+
+    def event(self) -> MechanismEvent:
+        if self.mechanism == "laplace":
+            return MechanismEvent.laplace(float(self.epsilon))  # type: ignore[arg-type]
+        return MechanismEvent.gaussian(float(self.noise_multiplier))  # type: ignore[arg-type]
+
+
+def _metric_specs(fed: SimulatedFederation) -> dict[str, MetricSpec]:
+    from tasks.evaluate import _metric_specs as specs
+
+    return specs(fed)
+
+
+def planned_releases(fed: SimulatedFederation, round_number: int) -> list[ReleasePlan]:
+    """The releases the evaluation path makes this round.
+
+    Uses ``tasks.evaluate.planned_releases(fed, round_number)`` when it exists (each item a
+    mapping or an object with the :class:`ReleasePlan` fields; ``region``/``global`` is
+    accepted for ``scope``); otherwise what ``evaluate_regions_task`` releases: per metric
+    one regional Laplace release at ``evaluation.epsilon`` named ``regional.<metric>``.
+    """
+    evaluate = importlib.import_module("tasks.evaluate")
+    planner = getattr(evaluate, "planned_releases", None)
+    if planner is None:
+        eps = fed.config.evaluation.epsilon
+        return [
+            ReleasePlan(name=f"regional.{m}", metric=m, scope="regional", epsilon=eps)
+            for m in _metric_specs(fed)
+        ]
+    out = []
+    for item in planner(fed, round_number):
+        data = dict(item) if isinstance(item, Mapping) else (
+            item.model_dump() if isinstance(item, BaseModel) else dict(vars(item))
+        )
+        if data.get("scope") == "region":
+            data["scope"] = "regional"
+        data.setdefault("metric", data.get("name"))
+        out.append(ReleasePlan.model_validate(data))
+    return out
+
+
+def _noise_seed(fed: SimulatedFederation, round_number: int, metric: str) -> int | None:
+    """The seed ``evaluate_regions_task`` uses (same published values), None = OpenDP."""
+    if not fed.config.evaluation.noise_seeded:
+        return None
+    base = np.random.default_rng([fed.config.seed, round_number, 101]).integers(2**31)
+    return int(base) + len(metric)
+
+
+def _release_regional(
+    fed: SimulatedFederation, evaluations: Sequence[ClientEvaluation], round_number: int,
+    plan: ReleasePlan,
+) -> dict[str, Any]:
+    """Draw the noise of one regional release (the evaluation path's published view)."""
+    evaluate = importlib.import_module("tasks.evaluate")
+    releaser = getattr(evaluate, "release_planned", None)
+    if releaser is not None:
+        return releaser(fed, evaluations, round_number, plan)
+    ev = fed.config.evaluation
+    spec = _metric_specs(fed)[plan.metric]
+    by_region: dict[str, list[float]] = {r: [] for r in fed.partition.region_ids}
+    for e in evaluations:
+        by_region[e.region].append(getattr(e, plan.metric))
+    report = regional_report(
+        {r: np.asarray(v, dtype=np.float64) for r, v in by_region.items()},
+        spec, epsilon_total=float(plan.epsilon), min_cohort=ev.min_cohort,  # type: ignore[arg-type]
+        seed=_noise_seed(fed, round_number, plan.metric),
+    )
+    return report.to_published_dict()
+
+
+# --------------------------------------------------------------------------- evaluation
+
+
+def _reserve(
+    fed: SimulatedFederation, budget: BudgetState, plan: ReleasePlan, round_number: int,
+    evaluations: Sequence[ClientEvaluation],
+) -> Reservation:
+    """Phase 1 of one release: a global charge, or a regional charge with one event per
+    region that has evaluators (parallel composition) and the client -> region map."""
+    r = ledger_round(round_number)
+    if plan.scope == "global":
+        return budget.ledger.reserve(r, plan.name, LineItem.EVALUATION_GLOBAL, [plan.event()])
+    regions = sorted({e.region for e in evaluations}) or sorted(fed.partition.region_ids)
+    membership = {str(e.client_id): e.region for e in evaluations}
+    return budget.ledger.reserve(
+        r, plan.name, LineItem.EVALUATION_REGIONAL, {g: plan.event() for g in regions},
+        membership=membership,
+    )
+
+
+@task(name="charge-evaluation", **_TASK)
+def charge_evaluation_task(
+    fed: SimulatedFederation, budget: BudgetState, plans: list[ReleasePlan],
+    round_number: int, evaluations: list[ClientEvaluation],
+) -> list[Reservation | None]:
+    """Reserve every release of the round in the ledger (phase 1, before any noise).
+    ``None`` marks a regional release skipped off the policy's cadence."""
+    on_cadence = regional_on_cadence(budget.policy, round_number)
+    return [
+        None if (p.scope == "regional" and not on_cadence)
+        else _reserve(fed, budget, p, round_number, evaluations)
+        for p in plans
+    ]
+
+
+@task(name="release-evaluation", **_TASK)
+def release_evaluation_task(
+    fed: SimulatedFederation, evaluations: list[ClientEvaluation], round_number: int,
+    plan: ReleasePlan, reservation: Reservation,
+) -> dict[str, Any]:
+    """Phase 2 of one granted release: draw the noise, commit the published report into
+    the ledger and return what the ledger holds (the first committed report wins)."""
+    if not reservation.may_draw_noise:
+        raise ValueError("reservation: only a granted reservation may draw noise")
+    report = _release_regional(fed, evaluations, round_number, plan)
+    stored = reservation.commit(json.dumps(report, sort_keys=True, allow_nan=False))
+    return json.loads(stored) if stored is not None else report
+
+
+def _borrow_amount(
+    budget: BudgetState, plans: Sequence[ReleasePlan], round_number: int, line: LineItem,
+    reservation: Reservation,
+) -> float:
+    """Epsilon to ask for: the refused release's shortfall plus what this line's pure
+    (Laplace) releases need in the epoch's remaining rounds of this run, capped at the
+    policy's limit (``max_fraction_of_next_epoch`` of the next epoch's line); a shortfall
+    above the limit is asked as is (and refused by the rule)."""
+    cap = float(reservation.line_cap_epsilon or 0.0)
+    after = float(reservation.line_epsilon_after or cap)
+    shortfall = max(after - cap, 1e-12)
+    policy, cfg = budget.policy, budget.config
+    epoch = policy.epoch_of_round(ledger_round(round_number))
+    per_round = math.fsum(
+        float(p.epsilon) for p in plans if p.line is line and p.mechanism == "laplace"  # type: ignore[arg-type]
+    )
+    later = 0
+    for rn in range(round_number + 1, cfg.rounds + 1):
+        if policy.epoch_of_round(ledger_round(rn)) != epoch:
+            break
+        if rn % cfg.evaluation.every != 0:
+            continue
+        if line is LineItem.EVALUATION_REGIONAL and not regional_on_cadence(policy, rn):
+            continue
+        later += 1
+    limit = policy.borrowing.max_fraction_of_next_epoch * policy.line_cap(line)[0]
+    if shortfall > limit:
+        return shortfall
+    return min(shortfall + later * per_round, limit)
+
+
+def _gate_fired(budget: BudgetState, epoch: int, line: LineItem) -> bool:
+    return any(b["line"] == line.value for b in budget.ledger.borrows(epoch))
+
+
+def budgeted_evaluation(
+    fed: SimulatedFederation,
+    budget: BudgetState,
+    evaluations: list[ClientEvaluation],
+    round_number: int,
+    *,
+    gate: Callable[[BudgetState, BorrowRequest], BorrowDecision] | None = None,
+    run_id: str = "",
+) -> dict[str, Any]:
+    """The round's evaluation releases, each charged before its noise (see module doc).
+
+    Call it from the round's flow body (the gate may pause the run). Returns the
+    published view ``{"round", "metrics": {metric: report}, "epsilon_spent", "budget":
+    {"released", "republished", "refused": {name: reason}, "off_cadence", "borrow"}}``;
+    ``epsilon_spent`` counts this run's granted charges (republished ones excluded).
+    """
+    plans = planned_releases(fed, round_number)
+    reservations = charge_evaluation_task(fed, budget, plans, round_number, evaluations)
+    epoch = budget.policy.epoch_of_round(ledger_round(round_number))
+    info: dict[str, Any] = {
+        "released": [], "republished": [], "refused": {}, "off_cadence": [], "borrow": None,
+        "policy_version": budget.policy.policy_version,
+    }
+    out: dict[str, Any] = {"round": round_number, "metrics": {}, "epsilon_spent": 0.0}
+    for plan, res in zip(plans, reservations, strict=True):
+        if res is None:
+            info["off_cadence"].append(plan.name)
+            budget.events.append({"kind": "release_off_cadence", "round": round_number,
+                                  "release": plan.name, "epoch": epoch})
+            continue
+        if (res.refused and res.refusal == "exceeds_line_cap" and gate is not None
+                and budget.policy.borrowing.max_borrows_per_epoch > 0
+                and not _gate_fired(budget, epoch, plan.line)):
+            request = BorrowRequest(
+                epoch=epoch, line=plan.line,
+                epsilon=_borrow_amount(budget, plans, round_number, plan.line, res),
+                run_id=run_id[:128],
+                reason=f"round {round_number}: release '{plan.name}' would exceed "
+                       f"the {plan.line.value} line of epoch {epoch}",
+            )
+            decision = gate(budget, request)
+            info["borrow"] = decision.model_dump(mode="json")
+            if decision.approved:
+                res = _reserve(fed, budget, plan, round_number, evaluations)
+        if res.already_committed:
+            out["metrics"][plan.metric] = json.loads(res.stored_result) if res.stored_result else None
+            info["republished"].append(plan.name)
+        elif res.may_draw_noise:
+            out["metrics"][plan.metric] = release_evaluation_task(
+                fed, evaluations, round_number, plan, res
+            )
+            info["released"].append(plan.name)
+            out["epsilon_spent"] += float(plan.epsilon or 0.0)
+        else:
+            info["refused"][plan.name] = res.refusal
+    out["metrics"] = {k: v for k, v in out["metrics"].items() if v is not None}
+    out["budget"] = info
+    return out
+
+
+# --------------------------------------------------------------------------- training
+
+
+def _encode_models(models: Mapping[int, np.ndarray]) -> str:
+    return json.dumps({
+        str(k): base64.b64encode(np.ascontiguousarray(v, dtype="<f4").tobytes()).decode("ascii")
+        for k, v in sorted(models.items())
+    }, sort_keys=True)
+
+
+def _decode_models(payload: str) -> dict[int, np.ndarray]:
+    return {
+        int(k): np.frombuffer(base64.b64decode(v), dtype="<f4").astype(np.float32)
+        for k, v in json.loads(payload).items()
+    }
+
+
+@task(name="dp-aggregate-per-cohort", **_TASK)
+def dp_aggregate_task(
+    fed: SimulatedFederation,
+    budget: BudgetState | None,
+    updates: Sequence[ClientUpdate],
+    quarantined: Sequence[int],
+    cohort_models: Mapping[int, np.ndarray],
+    round_number: int,
+    weights: Mapping[int, float] | None = None,
+) -> tuple[dict[int, np.ndarray], dict[str, Any]]:
+    """DP-FedAvg per cohort after one training charge (see module doc).
+
+    ``weights`` (divergence action): clients with weight 0 are left out like quarantined
+    ones; DP-FedAvg weighs the remaining clients equally (a down-weight would change the
+    sensitivity, so it is not applied).
+
+    Returns the new cohort models and ``{"status": "aggregated" | "republished" |
+    "backed_off", "reason", "sigma": {cohort: sigma}, "n_clipped", "noise_source"}``.
+    ``budget=None`` aggregates without charging (no ledger configured).
+    """
+    cfg = fed.config
+    dp = cfg.training.dp
+    res: Reservation | None = None
+    if budget is not None:
+        res = budget.ledger.reserve(
+            ledger_round(round_number), TRAINING_RELEASE, LineItem.TRAINING,
+            [MechanismEvent.gaussian(dp.noise_multiplier, cfg.training.participation)],
+        )
+        if res.refused:
+            budget.events.append({"kind": "training_backed_off", "round": round_number,
+                                  "epoch": res.epoch, "reason": res.refusal})
+            return dict(cohort_models), {"status": "backed_off", "reason": res.refusal}
+        if res.already_committed and res.stored_result:
+            models = dict(cohort_models)
+            models.update(_decode_models(res.stored_result))
+            return models, {"status": "republished", "reason": None}
+    seed = (
+        int(np.random.default_rng([cfg.seed, round_number, 211]).integers(2**31))
+        if dp.noise_seeded else None
+    )
+    held = sorted(set(quarantined) | {c for c, w in (weights or {}).items() if w == 0})
+    models, results = dp_aggregate_per_cohort(
+        updates, held, cohort_models, clipping_bound=dp.clipping_bound,
+        noise_multiplier=dp.noise_multiplier, seed=seed,
+    )
+    if res is not None:
+        stored = res.commit(_encode_models({c: models[c] for c in results}))
+        if stored is not None:
+            models.update(_decode_models(stored))
+    return models, {
+        "status": "aggregated", "reason": None,
+        "sigma": {str(c): r.sigma for c, r in results.items()},
+        "n_clipped": sum(r.n_clipped for r in results.values()),
+        "noise_source": "seeded-simulation" if seed is not None else "opendp",
+    }
+
+
+# --------------------------------------------------------------------------- reporting
+
+
+def prefect_artifact_key(name: str) -> str:
+    """Prefect artifact key for a federation: lowercase letters, digits and dashes."""
+    slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "federation"
+    digest = hashlib.sha256(name.encode("utf-8")).hexdigest()[:8]
+    return f"privacy-ledger-{slug[:40]}-{digest}"
+
+
+def decisions_document(budget: BudgetState) -> dict[str, Any]:
+    """``budget/decisions.json``: borrowing decisions (approver, reason), ledger
+    decisions (refusals, freezes) and skipped releases, with the policy version."""
+    return {
+        "policy_version": budget.policy.policy_version,
+        "policy_content_hash": budget.policy.content_hash,
+        "borrows": budget.ledger.borrows(),
+        "ledger_decisions": budget.ledger.decisions(),
+        "flow_events": list(budget.events),
+    }
+
+
+def report_budget_round(budget: BudgetState, tracker: Any | None, round_number: int) -> None:
+    """Report the ledger after a round: MLflow table + decisions + metrics + borrow tags
+    (when ``tracker`` is a :class:`tasks.tracking.FederationTracker`) and a Prefect table
+    artifact (always; requires a Prefect API, which every flow run has)."""
+    rows = budget.ledger.table()
+    if tracker is not None and tracker.run_id:
+        tracker.client.log_table(
+            tracker.run_id, data=budget.ledger.table_columns(), artifact_file="budget/ledger.json"
+        )
+        tracker.log_dict(decisions_document(budget), "budget/decisions.json")
+        epoch = budget.policy.epoch_of_round(ledger_round(round_number))
+        metrics = {}
+        for row in rows:
+            if row.epoch == epoch:
+                metrics[f"budget.{row.line_item}.spent_epsilon"] = row.spent_epsilon
+                metrics[f"budget.{row.line_item}.remaining_epsilon"] = row.remaining_epsilon
+        tracker.log_metrics(metrics, step=round_number)
+        tags = {}
+        for b in budget.ledger.borrows():
+            key = f"clma.budget.borrow.e{b['epoch']}.{b['line']}"
+            tags[f"{key}.decision"] = "approved" if b["approved"] else f"refused:{b['refusal']}"
+            tags[f"{key}.approver"] = b["approver"] or ""
+            tags[f"{key}.reason"] = (b["approver_reason"] or "")[:1000]
+            tags[f"{key}.epsilon"] = repr(float(b["epsilon"]))
+        if tags:
+            tracker.set_tags(tags)
+    from prefect.artifacts import create_table_artifact
+
+    create_table_artifact(
+        key=prefect_artifact_key(budget.config.name),
+        table=[r.model_dump(mode="json") for r in rows],
+        description=(
+            f"Privacy ledger after round {round_number} (per client; epsilon). Policy "
+            f"{budget.policy.policy_version}, content hash {budget.policy.content_hash[:12]}."
+        ),
+    )
