@@ -24,9 +24,9 @@ from clma.cohort import CohortRegistry
 from clma.config import FederationConfig, TrainingConfig
 from clma.drift import LossThresholdDetector
 from clma.params import model_to_vector
-from clma.regions import RegionPartition, load_partition
+from clma.regions import PartitionError, RegionPartition, load_partition
 from clma.rounds import ClientUpdate
-from clma.sim.data import Dataset, holdout_split, load_dataset
+from clma.sim.data import Dataset, DatasetError, holdout_split, load_dataset
 from clma.sim.drift import AppliedDrift, apply_drifts
 from clma.sim.models import MLPSpec
 from clma.sim.partition import dirichlet_partition, iid_partition
@@ -161,8 +161,16 @@ class SimulatedFederation:
 
 
 def build_federation(config: FederationConfig) -> SimulatedFederation:
-    """Build the simulated federation described by ``config`` (deterministic in its seed)."""
-    dataset: Dataset = load_dataset(config.data.dataset, config.data.data_dir)
+    """Build the simulated federation described by ``config`` (deterministic in its seed).
+
+    Raises :class:`clma.sim.data.DatasetError` (message prefixed ``data.data_dir:``),
+    :class:`clma.regions.PartitionError` (prefixed ``data.region_partition:``) or
+    ValueError naming the field when the data cannot host the configured clients.
+    """
+    try:
+        dataset: Dataset = load_dataset(config.data.dataset, config.data.data_dir)
+    except DatasetError as exc:
+        raise DatasetError(f"data.data_dir: {exc}") from None
     split = holdout_split(
         dataset.labels,
         holdout_fraction=config.data.holdout_fraction,
@@ -175,7 +183,10 @@ def build_federation(config: FederationConfig) -> SimulatedFederation:
         shards = iid_partition(split.pool.shape[0], config.clients, rng)
     else:
         shards = dirichlet_partition(pool_labels, config.clients, config.data.dirichlet_alpha, rng)
-    partition = load_partition(config.data.region_partition)
+    try:
+        partition = load_partition(config.data.region_partition)
+    except PartitionError as exc:
+        raise PartitionError(f"data.region_partition: {exc}") from None
     regions = partition.assign(config.clients, config.seed)
     clients: dict[int, SimClient] = {}
     for cid, shard in enumerate(shards):
