@@ -6,6 +6,7 @@ Its ReLU layers are what :mod:`clma.divergence` reads activation patterns from.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -30,20 +31,24 @@ class MLPSpec:
 def make_mlp(
     n_features: int, hidden: tuple[int, ...] | list[int], n_classes: int, *, seed: int | None = None
 ) -> nn.Sequential:
-    """Build the MLP. With ``seed`` the default (Kaiming-uniform) initialisation is drawn
-    from a private ``torch.Generator`` state so that threads do not disturb each other."""
+    """Build the MLP. With ``seed`` the default (Kaiming-uniform) initialisation of
+    ``nn.Linear`` is drawn from a private ``torch.Generator`` seeded with ``seed``: the
+    global torch RNG is neither read nor advanced, so threads do not disturb each other.
+    Without ``seed`` the layers use torch's global RNG as usual."""
+    widths = [n_features, *hidden, n_classes]
+    gen = None if seed is None else torch.Generator().manual_seed(int(seed))
     layers: list[nn.Module] = [nn.Flatten()]
-    width = n_features
-    for h in hidden:
-        layers += [nn.Linear(width, h), nn.ReLU()]
-        width = h
-    layers.append(nn.Linear(width, n_classes))
-    if seed is None:
-        return nn.Sequential(*layers)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = nn.Sequential(*layers)
-        for m in model.modules():
-            if isinstance(m, nn.Linear):
-                m.reset_parameters()
-    return model
+    for i, (w_in, w_out) in enumerate(zip(widths[:-1], widths[1:], strict=True)):
+        if gen is None:
+            lin = nn.Linear(w_in, w_out)
+        else:
+            # same draws as nn.Linear.reset_parameters, from the private generator
+            lin = torch.nn.utils.skip_init(nn.Linear, w_in, w_out)
+            with torch.no_grad():
+                nn.init.kaiming_uniform_(lin.weight, a=math.sqrt(5), generator=gen)
+                bound = 1.0 / math.sqrt(w_in)
+                nn.init.uniform_(lin.bias, -bound, bound, generator=gen)
+        layers.append(lin)
+        if i < len(widths) - 2:
+            layers.append(nn.ReLU())
+    return nn.Sequential(*layers)
