@@ -88,6 +88,7 @@ class DivergenceOutcome:
         probe_sha256: :func:`clma.divergence.probe_digest` of the probe set used.
         weights: client id -> FedAvg weight multiplier for the flagged clients, or ``None``
             (action ``report``, or nobody flagged).
+        cohorts: client id -> the cohort whose start model it was scored against.
     """
 
     round: int
@@ -96,6 +97,7 @@ class DivergenceOutcome:
     parameter: DivergenceReport
     probe_sha256: str
     weights: dict[int, float] | None
+    cohorts: dict[int, int]
 
     @property
     def flagged(self) -> list[int]:
@@ -237,6 +239,7 @@ def score_divergence(
         parameter=parameter,
         probe_sha256=scorer.probe_sha256,
         weights=aggregation_weights(representation.flagged, cfg.action, cfg.downweight_factor),
+        cohorts={int(u.client_id): int(u.cohort_id) for u in updates},
     )
 
 

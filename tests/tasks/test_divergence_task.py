@@ -1,0 +1,172 @@
+"""score_divergence_task: every client scored against its cohort's start model on the
+federation's probe set, leave-one-out parameter baseline, and the action's FedAvg weights
+reaching aggregation. Runs the task's function (``.fn``) on a tiny federation, no Prefect."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from clma.config import validate_config
+from clma.divergence import activation_patterns, affinities, hierarchical_divergence
+from clma.params import AllParams, model_to_vector, vector_to_model
+from clma.rounds import ClientUpdate, fedavg
+from clma.sim.federation import build_federation, train_clients
+from tasks.divergence import aggregation_weights, probe_sha256, score_divergence_task
+from tasks.round import aggregate_task
+
+N_CLIENTS = 8
+ODD = 3  # the client whose first layer is re-randomised
+
+
+def _fed(action: str = "report", clients: int = N_CLIENTS):
+    cfg = validate_config({
+        "name": "div-task", "seed": 5, "rounds": 2, "clients": clients,
+        "data": {"probe_size": 48},
+        "training": {"local_epochs": 1},
+        "divergence": {"action": action, "z_threshold": 3.0, "beta": 1.0},
+        "tracking": {"enabled": False},
+    })
+    return build_federation(cfg)
+
+
+def _updates(fed) -> list[ClientUpdate]:
+    ids = fed.client_ids
+    res = train_clients([fed.clients[c] for c in ids], fed.models_for(ids), {c: 0 for c in ids},
+                        fed.spec, fed.config.training, fed.config.drift.gamma, fed.config.seed, 1)
+    return [r.update for r in res]
+
+
+def _rerandomise_first_layer(fed, params: np.ndarray, seed: int) -> np.ndarray:
+    model = vector_to_model(params, fed.spec.build(), AllParams())
+    fresh = fed.spec.build(seed=seed)
+    with torch.no_grad():
+        model[1].weight.copy_(fresh[1].weight)  # model[0] is Flatten, model[1] the first Linear
+        model[1].bias.copy_(fresh[1].bias)
+    return model_to_vector(model, AllParams())
+
+
+@pytest.fixture(scope="module")
+def scored():
+    fed = _fed()
+    updates = _updates(fed)
+    odd = updates[ODD]
+    updates[ODD] = ClientUpdate(odd.client_id, odd.cohort_id,
+                                _rerandomise_first_layer(fed, odd.params, 1234),
+                                odd.n_samples, odd.drift_flag)
+    start = dict(fed.cohort_models)
+    out = score_divergence_task.fn(fed, updates, start, 1)
+    return fed, updates, start, out
+
+
+def test_rerandomised_first_layer_is_flagged_by_representation(scored):
+    _, _, _, out = scored
+    rep = out.representation
+    assert rep.flagged == [ODD]
+    assert out.flagged == [ODD]
+    assert max(rep.z, key=rep.z.get) == ODD
+    assert rep.z[ODD] > 3.0
+    assert sorted(rep.scores) == list(range(N_CLIENTS))
+    assert out.weights is None  # action 'report': aggregation unchanged
+    assert out.cohorts == dict.fromkeys(range(N_CLIENTS), 0)
+
+
+def test_representation_score_is_the_library_divergence_to_the_start_model(scored):
+    fed, updates, start, out = scored
+    ref = vector_to_model(start[0], fed.spec.build(), AllParams())
+    local = vector_to_model(updates[0].params, fed.spec.build(), AllParams())
+    k_ref = affinities(activation_patterns(ref, fed.probe_x))
+    k_loc = affinities(activation_patterns(local, fed.probe_x))
+    expected = hierarchical_divergence(k_ref, k_loc, beta=1.0)
+    assert out.representation.scores[0] == pytest.approx(expected, rel=1e-12)
+    # robust z against the literal formula across the round's clients
+    s = np.array([out.representation.scores[c] for c in range(N_CLIENTS)])
+    med = np.median(s)
+    mad = np.median(np.abs(s - med))
+    z_lit = (s - med) / (1.482602218505602 * mad)
+    np.testing.assert_allclose([out.representation.z[c] for c in range(N_CLIENTS)], z_lit,
+                               rtol=1e-9)
+
+
+def test_parameter_baseline_is_leave_one_out_cosine(scored):
+    _, updates, start, out = scored
+    u = np.stack([x.params.astype(np.float64) - start[0] for x in updates])
+    total = u.sum(axis=0)
+    for i in range(N_CLIENTS):
+        mean_others = (total - u[i]) / (N_CLIENTS - 1)
+        cos = u[i] @ mean_others / (np.linalg.norm(u[i]) * np.linalg.norm(mean_others))
+        assert out.parameter.scores[i] == pytest.approx(1.0 - cos, abs=1e-5)
+    assert out.parameter.method == "parameter_cosine"
+
+
+def test_summary_has_no_client_ids_and_records_probe(scored):
+    fed, _, _, out = scored
+    s = out.summary()
+    assert s["probe_sha256"] == probe_sha256(fed) and len(s["probe_sha256"]) == 64
+    assert s["representation"]["n_flagged"] == 1
+    assert s["representation"]["n_clients"] == N_CLIENTS
+    assert s["parameter"]["leave_one_out"] is True
+    assert set(s["representation"]) == {"median", "mad", "scale", "scale_rule", "max_z",
+                                         "n_flagged", "n_clients", "z_threshold"}
+    assert "flagged" not in s["representation"] and "scores" not in s["representation"]
+
+
+def test_each_client_is_scored_against_its_own_cohort_start_model(scored):
+    fed, updates, start, _ = scored
+    # client 0 starts from cohort 7 whose model is exactly its local model: D = 0
+    u0 = updates[0]
+    moved = [ClientUpdate(0, 7, u0.params, u0.n_samples, False), *updates[1:]]
+    out = score_divergence_task.fn(fed, moved, {**start, 7: u0.params.copy()}, 2)
+    assert out.representation.scores[0] == 0.0
+    assert out.cohorts[0] == 7
+    assert out.representation.scores[1] > 0.0
+    with pytest.raises(ValueError, match="start_models"):
+        score_divergence_task.fn(fed, moved, start, 2)
+
+
+@pytest.mark.parametrize("action, factor", [("exclude", 0.0), ("downweight", 0.5)])
+def test_action_weights_reach_aggregation(scored, action, factor):
+    _, updates, start, _ = scored
+    fed = _fed(action)
+    out = score_divergence_task.fn(fed, updates, start, 1)
+    assert out.flagged == [ODD]
+    assert out.weights == {ODD: factor}
+    agg = aggregate_task.fn(updates, [], start, out.weights)[0]
+    w = [u.n_samples * (factor if u.client_id == ODD else 1.0) for u in updates]
+    np.testing.assert_array_equal(agg, fedavg([u.params for u in updates], w))
+    if action == "exclude":
+        others = [u for u in updates if u.client_id != ODD]
+        np.testing.assert_array_equal(
+            agg, fedavg([u.params for u in others], [u.n_samples for u in others]))
+    plain = aggregate_task.fn(updates, [], start, None)[0]
+    assert not np.array_equal(agg, plain)
+
+
+def test_aggregation_weights_rules():
+    assert aggregation_weights([2, 5], "report", 0.5) is None
+    assert aggregation_weights([], "exclude", 0.5) is None
+    assert aggregation_weights([2, 5], "exclude", 0.5) == {2: 0.0, 5: 0.0}
+    assert aggregation_weights([2], "downweight", 0.25) == {2: 0.25}
+    with pytest.raises(ValueError, match="divergence.action"):
+        aggregation_weights([2], "drop", 0.5)
+
+
+def test_fewer_than_three_clients_flag_nobody():
+    fed = _fed("exclude", clients=2)
+    updates = _updates(fed)
+    out = score_divergence_task.fn(fed, updates, dict(fed.cohort_models), 1)
+    assert out.flagged == [] and out.weights is None
+    assert all(math.isnan(z) for z in out.representation.z.values())
+    assert out.representation.scale_rule == "too_few_clients"
+    assert out.summary()["representation"]["max_z"] is None
+
+
+def test_bad_input_is_one_clear_error(scored):
+    fed, updates, start, _ = scored
+    with pytest.raises(ValueError, match="updates"):
+        score_divergence_task.fn(fed, [], start, 1)
+    with pytest.raises(ValueError, match="distinct"):
+        score_divergence_task.fn(fed, [updates[0], updates[0]], start, 1)
