@@ -31,7 +31,7 @@ from tasks.budget import (
     report_budget_round,
 )
 from tasks.divergence import DivergenceOutcome, probe_sha256, score_divergence_task
-from tasks.evaluate import evaluate_regions_task
+from tasks.evaluate import finish_evaluation, log_evaluation, private_evaluation
 from tasks.round import (
     aggregate_task,
     chunked,
@@ -64,6 +64,7 @@ class RoundRecord:
     truth: dict[str, Any] = field(default_factory=dict)
     seconds: float = 0.0
     divergence: dict | None = None  # DivergenceOutcome.summary(): statistics, no client ids
+    evaluation: Any = None  # tasks.evaluate.EvaluationOutcome (envelopes, alerts, releases)
 
 
 def _truth(
@@ -145,6 +146,7 @@ def round_flow(
     fed.registry.record_round(round_number)
 
     regional = None
+    evaluation = None
     evaluations: list[ClientEvaluation] = []
     cohort_of = {c: fed.registry.cohort_of(c) for c in selected}
     eval_futures = [
@@ -159,10 +161,12 @@ def round_flow(
         if budget is not None:  # every release charged before its noise (tasks/budget.py)
             from flows.approval import borrow_gate
 
-            regional = budgeted_evaluation(fed, budget, evaluations, round_number,
-                                           gate=borrow_gate, run_id=str(flow_run.id or ""))
+            view = budgeted_evaluation(fed, budget, evaluations, round_number,
+                                       gate=borrow_gate, run_id=str(flow_run.id or ""))
+            evaluation = finish_evaluation(fed, selected, round_number, budget_view=view)
         else:
-            regional = evaluate_regions_task(fed, evaluations, round_number)
+            evaluation = private_evaluation(fed, selected, round_number)
+        regional = evaluation.published
     fed.rounds_done = round_number
     return RoundRecord(
         round=round_number,
@@ -178,6 +182,7 @@ def round_flow(
         truth=_truth(fed, evaluations, drifted_now),
         seconds=time.perf_counter() - t0,
         divergence=div.summary() if div is not None else None,
+        evaluation=evaluation,
     )
 
 
@@ -353,6 +358,8 @@ def federation_flow(
                 tracker.log_metrics(_round_metrics(rec), step=r)
                 if rec.regional:
                     tracker.log_dict(rec.regional, f"reports/round_{r:03d}.json")
+            if rec.evaluation is not None:  # envelopes + alerts (MLflow and out folder)
+                log_evaluation(rec.evaluation, tracker, out_dir)
             if budget is not None:
                 report_budget_round(budget, tracker, r)
             if on_round:
