@@ -301,6 +301,22 @@ class OrchestrationConfig(_Strict):
     chunk_size: PositiveInt = Field(
         default=8, description="Clients per mapped training/evaluation task."
     )
+    dask_address: str | None = Field(
+        default=None, min_length=1,
+        description="Run client training/evaluation tasks on this Dask scheduler "
+        "(e.g. 'tcp://10.0.0.5:8786'; needs the 'dask' extra). None = thread pool.",
+    )
+    dask_local_workers: PositiveInt | None = Field(
+        default=None,
+        description="Start a temporary local Dask cluster with this many worker processes "
+        "(one thread each) for the client tasks. None = no local cluster.",
+    )
+
+    @model_validator(mode="after")
+    def _one_dask_target(self) -> OrchestrationConfig:
+        if self.dask_address is not None and self.dask_local_workers is not None:
+            raise ValueError("set at most one of dask_address and dask_local_workers")
+        return self
 
 
 class FederationConfig(_Strict):
