@@ -40,6 +40,7 @@ import json
 import math
 import sys
 import tomllib
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from importlib import resources
@@ -472,7 +473,10 @@ def _write_outputs(out: Path, doc: Mapping[str, Any]) -> None:
 def _log_parent(tracker: Any, doc: Mapping[str, Any]) -> None:
     rid = tracker.run_id
     table = {c: [row[c] for row in doc["table"]] for c in TABLE_COLUMNS}
-    tracker.client.log_table(rid, data=table, artifact_file="results_table.json")
+    with warnings.catch_warnings():
+        # MLflow's own select_dtypes(include=["object"]) call warns under pandas 3
+        warnings.filterwarnings("ignore", message=".*'str' dtypes are included")
+        tracker.client.log_table(rid, data=table, artifact_file="results_table.json")
     tracker.client.log_dict(rid, dict(doc), "results.json")
     tracker.client.log_text(rid, to_markdown(doc), "results.md")
     metrics: dict[str, float] = {}
