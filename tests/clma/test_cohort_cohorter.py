@@ -106,7 +106,7 @@ def test_exact_form_reproduces_literal_algorithm() -> None:
 # ---------------------------------------------------------------- issue 3 item 6a
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(4))
 def test_default_recovers_zero_mean_families(seed: int) -> None:
     matrix, ref, truth = zero_mean_families(seed)
     res, labels = run(CLMACohorter(), matrix, ref)
