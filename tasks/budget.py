@@ -21,9 +21,10 @@ release, in order:
    (``evaluation.global`` or ``evaluation.regional`` line; regional charges carry the
    client -> region membership so a client moving region switches the line to the sum);
 3. a charge refused because the line would exceed its cap goes to the borrowing gate
-   (``gate``: :func:`flows.approval.borrow_gate`) at most once per (epoch, line) — the
-   ledger's borrow records make that durable across re-runs; if the borrow is approved
-   the charge is reserved again;
+   (``gate``: :func:`flows.approval.borrow_gate`) unless a borrow was already approved in
+   this epoch (a second one would be refused) or this line's request was already decided
+   in this epoch — the ledger's borrow records make that durable across re-runs; if the
+   borrow is approved the charge is reserved again;
 4. only a granted reservation draws noise; the published report is committed into the
    ledger, so a re-run (Prefect retry, restart after a crash) republishes the stored
    report and draws nothing (``republished``); a refused release draws no noise and is
@@ -293,17 +294,14 @@ def _reserve(
 
 @task(name="charge-evaluation", **_TASK)
 def charge_evaluation_task(
-    fed: SimulatedFederation, budget: BudgetState, plans: list[ReleasePlan],
-    round_number: int, evaluations: list[ClientEvaluation],
-) -> list[Reservation | None]:
-    """Reserve every release of the round in the ledger (phase 1, before any noise).
-    ``None`` marks a regional release skipped off the policy's cadence."""
-    on_cadence = regional_on_cadence(budget.policy, round_number)
-    return [
-        None if (p.scope == "regional" and not on_cadence)
-        else _reserve(fed, budget, p, round_number, evaluations)
-        for p in plans
-    ]
+    fed: SimulatedFederation, budget: BudgetState, plan: ReleasePlan, round_number: int,
+    evaluations: list[ClientEvaluation],
+) -> Reservation | None:
+    """Reserve one release in the ledger (phase 1, before its noise). ``None``: a
+    regional release off the policy's cadence (nothing charged)."""
+    if plan.scope == "regional" and not regional_on_cadence(budget.policy, round_number):
+        return None
+    return _reserve(fed, budget, plan, round_number, evaluations)
 
 
 @task(name="release-evaluation", **_TASK)
@@ -330,7 +328,8 @@ def _borrow_amount(
     above the limit is asked as is (and refused by the rule)."""
     cap = float(reservation.line_cap_epsilon or 0.0)
     after = float(reservation.line_epsilon_after or cap)
-    shortfall = max(after - cap, 1e-12)
+    # a hair above the exact shortfall, so that cap + borrow >= need survives rounding
+    shortfall = max(after - cap, 0.0) + 1e-9 * max(1.0, after)
     policy, cfg = budget.policy, budget.config
     epoch = policy.epoch_of_round(ledger_round(round_number))
     per_round = math.fsum(
@@ -351,8 +350,18 @@ def _borrow_amount(
     return min(shortfall + later * per_round, limit)
 
 
-def _gate_fired(budget: BudgetState, epoch: int, line: LineItem) -> bool:
-    return any(b["line"] == line.value for b in budget.ledger.borrows(epoch))
+def _gate_skip_reason(budget: BudgetState, epoch: int, line: LineItem) -> str | None:
+    """Why no approver is asked (durable: read from the ledger's borrow records): the
+    policy allows no borrowing, a borrow was already approved this epoch (a second one
+    would be refused), or this line's request was already decided this epoch."""
+    if budget.policy.borrowing.max_borrows_per_epoch == 0:
+        return "borrowing_disabled_by_policy"
+    borrows = budget.ledger.borrows(epoch)
+    if any(b["approved"] for b in borrows):
+        return "already_borrowed_this_epoch"
+    if any(b["line"] == line.value for b in borrows):
+        return "already_decided_this_epoch"
+    return None
 
 
 def budgeted_evaluation(
@@ -368,26 +377,31 @@ def budgeted_evaluation(
 
     Call it from the round's flow body (the gate may pause the run). Returns the
     published view ``{"round", "metrics": {metric: report}, "epsilon_spent", "budget":
-    {"released", "republished", "refused": {name: reason}, "off_cadence", "borrow"}}``;
+    {"released", "republished", "refused": {name: reason}, "off_cadence", "borrows"}}``;
     ``epsilon_spent`` counts this run's granted charges (republished ones excluded).
     """
     plans = planned_releases(fed, round_number)
-    reservations = charge_evaluation_task(fed, budget, plans, round_number, evaluations)
     epoch = budget.policy.epoch_of_round(ledger_round(round_number))
     info: dict[str, Any] = {
-        "released": [], "republished": [], "refused": {}, "off_cadence": [], "borrow": None,
+        "released": [], "republished": [], "refused": {}, "off_cadence": [], "borrows": [],
         "policy_version": budget.policy.policy_version,
     }
     out: dict[str, Any] = {"round": round_number, "metrics": {}, "epsilon_spent": 0.0}
-    for plan, res in zip(plans, reservations, strict=True):
+    for plan in plans:  # one at a time: charge, (gate), draw, commit
+        res = charge_evaluation_task(fed, budget, plan, round_number, evaluations)
         if res is None:
             info["off_cadence"].append(plan.name)
             budget.events.append({"kind": "release_off_cadence", "round": round_number,
                                   "release": plan.name, "epoch": epoch})
             continue
-        if (res.refused and res.refusal == "exceeds_line_cap" and gate is not None
-                and budget.policy.borrowing.max_borrows_per_epoch > 0
-                and not _gate_fired(budget, epoch, plan.line)):
+        skip = (_gate_skip_reason(budget, epoch, plan.line)
+                if res.refused and res.refusal == "exceeds_line_cap" and gate is not None
+                else "no_gate")
+        if res.refused and skip not in (None, "no_gate"):
+            budget.events.append({"kind": "borrow_not_requested", "round": round_number,
+                                  "epoch": epoch, "line": plan.line.value,
+                                  "release": plan.name, "reason": skip})
+        if res.refused and skip is None and gate is not None:
             request = BorrowRequest(
                 epoch=epoch, line=plan.line,
                 epsilon=_borrow_amount(budget, plans, round_number, plan.line, res),
@@ -396,7 +410,7 @@ def budgeted_evaluation(
                        f"the {plan.line.value} line of epoch {epoch}",
             )
             decision = gate(budget, request)
-            info["borrow"] = decision.model_dump(mode="json")
+            info["borrows"].append(decision.model_dump(mode="json"))
             if decision.approved:
                 res = _reserve(fed, budget, plan, round_number, evaluations)
         if res.already_committed:

@@ -1,0 +1,314 @@
+"""tasks/budget.py: charges before noise, idempotent re-runs, training back-off, and the
+DP-FedAvg step (clma.rounds.dp_fedavg) against its literal formulas and noise scale."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from clma.budget import BorrowApproval, LineItem, decide_borrow
+from clma.config import BudgetConfig, DPFedAvgConfig, load_config
+from clma.rounds import ClientUpdate, clip_update, dp_fedavg
+from clma.sim.federation import build_federation, evaluate_clients
+
+SMALL = Path(__file__).parents[1] / "flows" / "small.toml"
+SHIPPED = Path(__file__).parents[2] / "clma" / "policy" / "privacy_policy_v1.toml"
+
+
+def write_policy(tmp: Path, *, epsilon_cap: float, epoch_rounds: int = 10, cadence: int = 1) -> Path:
+    """The shipped policy with another per-epoch cap, epoch length and regional cadence."""
+    text = SHIPPED.read_text()
+    text = re.sub(r"(?m)^epsilon_per_client_per_epoch = .*$",
+                  f"epsilon_per_client_per_epoch = {epsilon_cap!r}", text)
+    text = re.sub(r"(?m)^epoch_length_rounds = .*$", f"epoch_length_rounds = {epoch_rounds}", text)
+    text = re.sub(r"(?m)^regional_cadence_rounds = .*$", f"regional_cadence_rounds = {cadence}", text)
+    text = text.replace('policy_version = "clma-privacy-policy-v1"',
+                        'policy_version = "clma-privacy-policy-test"')
+    p = tmp / f"policy_{epsilon_cap}_{epoch_rounds}_{cadence}.toml"
+    p.write_text(text)
+    return p
+
+
+def make_fed(tmp: Path, policy: Path, **dp):
+    cfg = load_config(SMALL).with_overrides(rounds=3)
+    cfg = cfg.model_copy(update={
+        "budget": BudgetConfig(state_dir=str(tmp / "state"), policy=str(policy)),
+        "training": cfg.training.model_copy(update={"dp": DPFedAvgConfig(**dp)}),
+        "tracking": cfg.tracking.model_copy(update={"enabled": False}),
+    })
+    return build_federation(cfg)
+
+
+def evaluations(fed):
+    ids = fed.client_ids
+    return evaluate_clients([fed.clients[c] for c in ids], fed.models_for(ids),
+                            {c: fed.registry.cohort_of(c) for c in ids}, fed.spec,
+                            fed.config.evaluation.loss_max)
+
+
+@pytest.fixture
+def sampler_spy(monkeypatch):
+    """Counts every noise draw of the release path (clma.release.aggregate.sample)."""
+    import clma.release.aggregate as agg
+
+    calls = []
+    real = agg.sample
+
+    def spy(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(agg, "sample", spy)
+    return calls
+
+
+# --------------------------------------------------------------------------- evaluation
+
+
+def test_refused_charges_draw_no_noise(tmp_path, prefect_harness, sampler_spy):
+    from tasks.budget import budgeted_evaluation, open_budget, planned_releases
+
+    # a cap so small that every release is refused: nothing may be drawn
+    fed = make_fed(tmp_path, write_policy(tmp_path, epsilon_cap=1e-6))
+    budget = open_budget(fed.config)
+    out = budgeted_evaluation(fed, budget, evaluations(fed), 1, gate=None)
+    plans = planned_releases(fed, 1)
+    assert set(out["budget"]["refused"]) == {p.name for p in plans}
+    assert set(out["budget"]["refused"].values()) == {"exceeds_line_cap"}
+    assert out["budget"]["released"] == []
+    assert sampler_spy == []
+    assert budget.ledger.entries() == []
+    refusals = [d for d in budget.ledger.decisions() if d["kind"] == "charge_refused"]
+    assert sorted(d["detail"]["release"] for d in refusals) == sorted(p.name for p in plans)
+    assert all(d["policy_version"] == "clma-privacy-policy-test" for d in refusals)
+
+
+def test_granted_charges_draw_noise_after_the_charge(tmp_path, prefect_harness, sampler_spy):
+    """Control for the test above: with room in the lines, noise is drawn, and every
+    drawn release has a ledger entry (the spy can see draws)."""
+    from tasks.budget import budgeted_evaluation, open_budget
+
+    fed = make_fed(tmp_path, write_policy(tmp_path, epsilon_cap=1000.0))
+    budget = open_budget(fed.config)
+    out = budgeted_evaluation(fed, budget, evaluations(fed), 1, gate=None)
+    assert out["budget"]["refused"] == {}
+    assert len(sampler_spy) > 0
+    names = {e["release"] for e in budget.ledger.entries()}
+    assert names == set(out["budget"]["released"])
+    assert {e["status"] for e in budget.ledger.entries()} == {"committed"}
+
+
+def test_rerun_of_a_round_charges_once_and_draws_nothing(tmp_path, prefect_harness, sampler_spy):
+    from tasks.budget import budgeted_evaluation, open_budget
+
+    fed = make_fed(tmp_path, write_policy(tmp_path, epsilon_cap=1000.0))
+    budget = open_budget(fed.config)
+    evs = evaluations(fed)
+    first = budgeted_evaluation(fed, budget, evs, 1, gate=None)
+    spent = {line: budget.ledger.spent(0, line).epsilon for line in LineItem}
+    n_draws = len(sampler_spy)
+    entries = budget.ledger.entries()
+    # a Prefect retry or a re-run after a crash: same keys (epoch, round, release)
+    fed._evaluation_round = None  # a fresh process would have no cached round context
+    budget2 = open_budget(fed.config)  # same state dir: the durable ledger
+    second = budgeted_evaluation(fed, budget2, evs, 1, gate=None)
+    assert len(sampler_spy) == n_draws  # no new noise
+    assert second["budget"]["released"] == []
+    assert sorted(second["budget"]["republished"]) == sorted(first["budget"]["released"])
+    assert {line: budget2.ledger.spent(0, line).epsilon for line in LineItem} == spent
+    again = budget2.ledger.entries()
+    assert [(e["release"], e["attempts"]) for e in again] == [(e["release"], 1) for e in entries]
+    assert spent[LineItem.EVALUATION_GLOBAL] > 0 and spent[LineItem.EVALUATION_REGIONAL] > 0
+
+
+def test_overspend_goes_to_the_gate_once_and_an_approved_borrow_releases(tmp_path, prefect_harness):
+    from tasks.budget import budgeted_evaluation, open_budget, planned_releases
+
+    # cap 20: each evaluation line holds 3.0 = one release at epsilon 2 (small.toml), not
+    # two; the policy lets a line borrow up to 0.5 * 3.0 = 1.5 from the next epoch
+    fed = make_fed(tmp_path, write_policy(tmp_path, epsilon_cap=20.0, epoch_rounds=1))
+    budget = open_budget(fed.config)
+    plans = planned_releases(fed, 1)
+    assert fed.config.evaluation.epsilon == 2.0
+    asked = []
+
+    def approving_gate(b, request):
+        asked.append(request)
+        return decide_borrow(request, BorrowApproval(approver="privacy-officer", approve=True),
+                             b.policy, b.ledger)
+
+    out = budgeted_evaluation(fed, budget, evaluations(fed), 1, gate=approving_gate)
+    # one request only: after an approved borrow, a second one in the epoch would be refused
+    assert len(asked) == 1
+    line = asked[0].line
+    first = next(p for p in plans if p.line is line)
+    # epoch of one round: the request is exactly the shortfall of the second release
+    assert asked[0].epsilon == pytest.approx(2 * first.epsilon - 3.0, rel=1e-6)
+    assert budget.policy.line_cap(line)[0] == pytest.approx(3.0)
+    assert first.name in out["budget"]["released"]
+    second = [p.name for p in plans if p.line is line and p.epsilon == first.epsilon][1]
+    assert second in out["budget"]["released"]  # released thanks to the borrow
+    borrows = budget.ledger.borrows(0)
+    assert [(b["approved"], b["approver"]) for b in borrows] == [(1, "privacy-officer")]
+    assert out["budget"]["borrows"][0]["approved"] is True
+    skipped = [e for e in budget.events if e["kind"] == "borrow_not_requested"]
+    assert all(e["reason"] == "already_borrowed_this_epoch" for e in skipped)
+    # whatever was released after the borrow is charged within the raised cap
+    for ln in (LineItem.EVALUATION_GLOBAL, LineItem.EVALUATION_REGIONAL):
+        row = next(r for r in budget.ledger.table(0) if r.line_item == ln.value)
+        assert row.spent_epsilon <= row.cap_epsilon + 1e-12
+
+
+def test_regional_releases_follow_the_policy_cadence(tmp_path, prefect_harness, sampler_spy):
+    from tasks.budget import budgeted_evaluation, open_budget, regional_on_cadence
+
+    fed = make_fed(tmp_path, write_policy(tmp_path, epsilon_cap=1000.0, cadence=2))
+    budget = open_budget(fed.config)
+    assert [regional_on_cadence(budget.policy, r) for r in (1, 2, 3, 4)] == [True, False, True, False]
+    out = budgeted_evaluation(fed, budget, evaluations(fed), 2, gate=None)
+    assert out["budget"]["off_cadence"] and all(
+        n.startswith("regional.") for n in out["budget"]["off_cadence"])
+    assert not any(e["release"].startswith("regional.") for e in budget.ledger.entries())
+
+
+# --------------------------------------------------------------------------- training
+
+
+def _updates(rng, n_clients, n_params, cohort=0, scale=1.0):
+    return [ClientUpdate(c, cohort, (scale * rng.normal(size=n_params)).astype(np.float32), 10, False)
+            for c in range(n_clients)]
+
+
+def test_training_backs_off_when_the_line_is_frozen(tmp_path, monkeypatch):
+    import clma.privacy.mechanisms as mech
+    from tasks.budget import TRAINING_RELEASE, dp_aggregate_task, open_budget
+
+    fed = make_fed(tmp_path, write_policy(tmp_path, epsilon_cap=1000.0), enabled=True)
+    budget = open_budget(fed.config)
+    rng = np.random.default_rng(0)
+    start = {0: np.zeros(50, dtype=np.float32)}
+    ups = _updates(rng, 6, 50)
+    draws = []
+    real = mech.sample
+    monkeypatch.setattr(mech, "sample", lambda *a, **k: (draws.append(1), real(*a, **k))[1])
+
+    models, info = dp_aggregate_task.fn(fed, budget, ups, [], start, 1)
+    assert info["status"] == "aggregated" and len(draws) == 1
+    assert not np.array_equal(models[0], start[0])
+    assert [e["release"] for e in budget.ledger.entries()] == [TRAINING_RELEASE]
+    # re-run of round 1: the committed model is republished, no new noise, no new charge
+    again, info2 = dp_aggregate_task.fn(fed, budget, ups, [], start, 1)
+    assert info2["status"] == "republished" and len(draws) == 1
+    np.testing.assert_array_equal(again[0], models[0])
+    assert len(budget.ledger.entries()) == 1
+
+    budget.ledger.freeze_training(0, "test: refused borrow")
+    kept, info3 = dp_aggregate_task.fn(fed, budget, ups, [], start, 2)
+    assert info3 == {"status": "backed_off", "reason": "training_frozen"}
+    np.testing.assert_array_equal(kept[0], start[0])  # no aggregation: the model is kept
+    assert len(draws) == 1 and len(budget.ledger.entries()) == 1
+    assert budget.events[-1]["kind"] == "training_backed_off"
+
+
+def test_training_charge_is_the_dp_fedavg_gaussian_event(tmp_path):
+    from tasks.budget import dp_aggregate_task, open_budget
+
+    fed = make_fed(tmp_path, write_policy(tmp_path, epsilon_cap=1000.0), enabled=True,
+                   noise_multiplier=1.3, clipping_bound=0.5)
+    budget = open_budget(fed.config)
+    ups = _updates(np.random.default_rng(1), 4, 20)
+    dp_aggregate_task.fn(fed, budget, ups, [], {0: np.zeros(20, dtype=np.float32)}, 1)
+    (entry,) = budget.ledger.entries()
+    assert entry["line"] == "training"
+    assert '"noise_multiplier":1.3' in entry["events"]
+    assert f'"sampling_probability":{fed.config.training.participation!r}' in entry["events"]
+
+
+# --------------------------------------------------------------------------- DP-FedAvg
+
+
+def test_dp_fedavg_noise_std_matches_sigma_seeded_and_opendp():
+    n_params, n, z, c = 40_000, 8, 1.7, 0.9
+    ref = np.zeros(n_params, dtype=np.float32)
+    same = [ref.copy() for _ in range(n)]  # zero updates: the model IS the noise
+    sigma = z * c / n
+    for seed, size in ((5, n_params), (None, 10_000)):
+        res = dp_fedavg(same[:], ref, clipping_bound=c, noise_multiplier=z, seed=seed)
+        assert res.sigma == pytest.approx(sigma, rel=1e-15)
+        noise = res.model.astype(np.float64)[:size] if seed is not None else dp_fedavg(
+            [r[:size] for r in same], ref[:size], clipping_bound=c, noise_multiplier=z,
+            seed=None).model.astype(np.float64)
+        # sample std within 4 standard errors (se of s ~ sigma / sqrt(2 size))
+        assert abs(noise.std(ddof=1) - sigma) < 4 * sigma / np.sqrt(2 * size)
+        assert abs(noise.mean()) < 4 * sigma / np.sqrt(size)
+        # Gaussian shape (KS against N(0, sigma))
+        assert stats.kstest(noise, "norm", args=(0.0, sigma)).pvalue > 1e-4
+    assert res.noise_source == "opendp"
+
+
+def test_dp_fedavg_is_the_literal_clipped_mean_plus_noise():
+    rng = np.random.default_rng(3)
+    ref = rng.normal(size=30).astype(np.float32)
+    params = [(ref + s * rng.normal(size=30)).astype(np.float32) for s in (0.01, 5.0, 0.2, 30.0)]
+    c, z = 1.0, 0.8
+    res = dp_fedavg(params, ref, clipping_bound=c, noise_multiplier=z, seed=11)
+    deltas = [p.astype(np.float64) - ref for p in params]
+    clipped = [d * min(1.0, c / np.linalg.norm(d)) for d in deltas]
+    noise = np.random.default_rng(11).normal(0.0, z * c / 4, size=30)
+    expected = (ref + np.mean(clipped, axis=0) + noise).astype(np.float32)
+    np.testing.assert_allclose(res.model, expected, rtol=0, atol=1e-6)
+    assert res.n_clipped == sum(np.linalg.norm(d) > c for d in deltas)
+
+
+def test_clipping_bounds_the_update_norm():
+    rng = np.random.default_rng(4)
+    c = 0.25
+    for scale in (1e-3, 0.1, 1.0, 100.0):
+        u = scale * rng.normal(size=500)
+        clipped, was = clip_update(u, c)
+        assert np.linalg.norm(clipped) <= c * (1 + 1e-12)
+        assert was == (np.linalg.norm(u) > c)
+        if not was:
+            np.testing.assert_array_equal(clipped, u)
+        else:  # same direction
+            assert np.dot(clipped, u) / (np.linalg.norm(clipped) * np.linalg.norm(u)) == pytest.approx(1.0)
+    # the aggregate moves by at most C even when every client pushes far the same way
+    ref = np.zeros(100, dtype=np.float32)
+    far = [np.full(100, 50.0, dtype=np.float32) for _ in range(5)]
+    res = dp_fedavg(far, ref, clipping_bound=c, noise_multiplier=1e-9, seed=0)
+    assert np.linalg.norm(res.model.astype(np.float64)) == pytest.approx(c, rel=1e-5)
+    assert res.n_clipped == 5
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"clipping_bound": 0.0, "noise_multiplier": 1.0}, "clipping_bound"),
+    ({"clipping_bound": 1.0, "noise_multiplier": -1.0}, "noise_multiplier"),
+    ({"clipping_bound": float("nan"), "noise_multiplier": 1.0}, "clipping_bound"),
+])
+def test_dp_fedavg_rejects_bad_parameters(kwargs, match):
+    ref = np.zeros(3, dtype=np.float32)
+    with pytest.raises(ValueError, match=match):
+        dp_fedavg([ref], ref, seed=0, **kwargs)
+    with pytest.raises(ValueError, match="at least one"):
+        dp_fedavg([], ref, clipping_bound=1.0, noise_multiplier=1.0, seed=0)
+
+
+def test_prefect_artifact_key_is_lowercase_letters_digits_dashes():
+    from tasks.budget import prefect_artifact_key
+
+    for name in ("clma-digits", "E2E_small.v2", "---", "a" * 100):
+        key = prefect_artifact_key(name)
+        assert re.fullmatch(r"[a-z0-9-]+", key), key
+    assert prefect_artifact_key("A_b") != prefect_artifact_key("a-b")
+
+
+def test_ledger_round_maps_flow_rounds_from_one_to_ledger_rounds_from_zero():
+    from tasks.budget import ledger_round
+
+    assert ledger_round(1) == 0 and ledger_round(10) == 9
+    with pytest.raises(ValueError, match="round_number"):
+        ledger_round(0)
