@@ -42,6 +42,8 @@ __all__ = [
     "OrchestrationConfig",
     "BudgetConfig",
     "DPFedAvgConfig",
+    "StateConfig",
+    "ScheduleConfig",
     "FederationConfig",
     "default_config",
     "load_config",
@@ -293,6 +295,55 @@ class TrackingConfig(_Strict):
 
     experiment: str | None = None
     enabled: bool = True
+    lineage: bool = Field(
+        default=True,
+        description="One nested MLflow run per cohort (lineage tags) and the lineage graph "
+        "artifact (tasks/lineage.py).",
+    )
+    log_models: bool = Field(
+        default=True,
+        description="Log each cohort's model as an MLflow model in every round it changes "
+        "and register it with the alias cohort-<id> (needs lineage).",
+    )
+    dashboards: bool = Field(
+        default=True,
+        description="Per-metric regional dashboards (PNG) each evaluation round, in MLflow, "
+        "the out folder and as Prefect artifacts (tasks/dashboards.py).",
+    )
+
+
+class StateConfig(_Strict):
+    """Durable federation state (clma/state.py): registry, cohort models, client detector
+    state, alert baselines, ledger, round counter; committed atomically after each round."""
+
+    dir: str | None = Field(
+        default=None,
+        description="State directory; None = state/<name> under the working directory "
+        "(used by 'clma run --resume', 'clma serve' and scheduled runs).",
+    )
+    keep_commits: Annotated[int, Field(ge=1, le=1000)] = Field(
+        default=2, description="Committed round snapshots kept in the state directory."
+    )
+
+
+class ScheduleConfig(_Strict):
+    """Recurring rounds for 'clma serve' (a Prefect deployment with a schedule).
+
+    At most one of ``cron`` / ``interval_seconds``; each scheduled run advances the
+    federation by ``rounds_per_run`` rounds from its durable state.
+    """
+
+    cron: str | None = Field(default=None, min_length=1, max_length=200)
+    interval_seconds: Annotated[int, Field(ge=1, le=31_536_000)] | None = None
+    rounds_per_run: PositiveInt = 1
+
+    @model_validator(mode="after")
+    def _one_trigger(self) -> ScheduleConfig:
+        if self.cron is not None and self.interval_seconds is not None:
+            raise ValueError("set at most one of 'cron' and 'interval_seconds'")
+        if self.cron is not None and len(self.cron.split()) not in (5, 6):
+            raise ValueError("'cron' must have 5 (or 6) space-separated fields")
+        return self
 
 
 class OrchestrationConfig(_Strict):
@@ -336,6 +387,8 @@ class FederationConfig(_Strict):
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     orchestration: OrchestrationConfig = Field(default_factory=OrchestrationConfig)
     budget: BudgetConfig = Field(default_factory=BudgetConfig)
+    state: StateConfig = Field(default_factory=StateConfig)
+    schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
 
     @field_validator("name")
     @classmethod
