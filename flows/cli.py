@@ -46,6 +46,17 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--no-tracking", action="store_true", help="do not log to MLflow")
     run.add_argument("--quiet", action="store_true", help="no progress display or table")
 
+    appr = sub.add_parser(
+        "approve", help="answer a paused privacy-budget borrow request (same as the UI form)",
+        description="Resume a flow run paused at the budget-borrow approval gate. RUN_ID is "
+        "the paused approval run (or the federation/round run above it). Uses the Prefect API "
+        "of PREFECT_API_URL (or of PREFECT_HOME when no server is configured).",
+    )
+    appr.add_argument("run_id", metavar="RUN_ID", help="flow run id (UUID)")
+    appr.add_argument("--approver", required=True, help="your name, as on the policy's allow-list")
+    appr.add_argument("--deny", action="store_true", help="refuse the borrow (default: approve)")
+    appr.add_argument("--reason", default="", help="why (recorded in the ledger and MLflow)")
+
     from flows import experiments
 
     exp = sub.add_parser("experiment", help="run an experiment (see: clma experiment --help)")
@@ -157,6 +168,17 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "run":
         return _cmd_run(args)
+    if args.command == "approve":
+        _quiet_prefect_defaults()
+        from flows.approval import ApprovalError, approve_run
+
+        try:
+            rid = approve_run(args.run_id, args.approver, approve=not args.deny, reason=args.reason)
+        except ApprovalError as exc:
+            print(f"clma approve: {exc}", file=sys.stderr)
+            return 2
+        print(json.dumps({"resumed": rid, "approver": args.approver, "approve": not args.deny}))
+        return 0
     if args.command == "experiment":
         _quiet_prefect_defaults()
         from flows import experiments
