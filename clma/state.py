@@ -1,0 +1,350 @@
+"""Durable federation state: what must survive between flow runs, committed atomically.
+
+A state directory holds one federation::
+
+    STATE_DIR/
+      CURRENT                       name of the committed snapshot in force (one line)
+      commits/round_NNNNNN-<id>/    one committed snapshot (the last ``keep`` are kept)
+        manifest.json               schema, round, file -> SHA-256 and size, metadata
+        registry.json               cohort registry with lineage (CohortRegistry.to_dict)
+        models.npz                  each active cohort's current model (float32 vectors)
+        clients.json                simulated clients: detector state and drift history
+        federation.json             round counter, config resume-fingerprint
+        <name>.json                 documents of the orchestration layer (alert baselines,
+                                    MLflow run ids, dashboards, per-round records)
+      progress.json                 last round started (operators, tests)
+      ledger/                       the privacy ledger (its own transactional SQLite store)
+      .lock                         flock: one flow run at a time per state directory
+
+Nothing random is stored: every random choice of a round is seeded by (seed, round), so a
+round re-run from the same snapshot makes the same choices.
+
+Atomic commit (:meth:`StateStore.commit`): every file is written into a fresh temporary
+folder and fsync'ed, the manifest (with each file's SHA-256) last; the folder is fsync'ed
+and renamed to its final name; then ``CURRENT`` is replaced through a temporary file,
+fsync and ``os.replace`` (atomic on POSIX), and the directory fsync'ed. A crash at any
+point leaves ``CURRENT`` naming the previous complete snapshot; a half-written folder is
+never named by ``CURRENT`` and is removed by the next commit. :meth:`StateStore.load`
+verifies every file against the manifest (:class:`StateCorrupt` otherwise).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import hashlib
+import io
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from clma.cohort import CohortRegistry
+from clma.config import FederationConfig
+from clma.sim.drift import AppliedDrift
+
+__all__ = [
+    "STATE_SCHEMA",
+    "CommittedState",
+    "StateCorrupt",
+    "StateError",
+    "StateLocked",
+    "StateStore",
+    "default_state_dir",
+    "restore_federation",
+    "resume_fingerprint",
+    "snapshot_federation",
+]
+
+STATE_SCHEMA = "clma.state/1"
+#: Config fields that may change between flow runs of one federation.
+RESUMABLE_FIELDS = ("rounds", "schedule", "state", "tracking", "orchestration")
+_NAME_OK = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
+
+
+class StateError(ValueError):
+    """The state directory cannot be used as asked (message says which rule)."""
+
+
+class StateCorrupt(StateError):
+    """A committed snapshot does not match its manifest (file missing or altered)."""
+
+
+class StateLocked(StateError):
+    """Another process holds the state directory's lock (a flow run is in progress)."""
+
+
+def default_state_dir(config: FederationConfig, cwd: str | Path | None = None) -> Path:
+    """``config.state.dir`` or ``<cwd>/state/<config.name>``."""
+    if config.state.dir:
+        return Path(config.state.dir)
+    return Path(cwd or Path.cwd()) / "state" / config.name
+
+
+def resume_fingerprint(config: FederationConfig) -> str:
+    """SHA-256 of the config without the fields a resumed run may change
+    (:data:`RESUMABLE_FIELDS`: rounds, schedule, state, tracking, orchestration; and
+    ``budget.state_dir``, which follows the state directory)."""
+    data = config.model_dump(mode="json")
+    for k in RESUMABLE_FIELDS:
+        data.pop(k, None)
+    data.get("budget", {}).pop("state_dir", None)  # the ledger lives in the state dir
+    blob = json.dumps(data, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _sha(b: bytes) -> str:
+    return hashlib.sha256(b).hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+@dataclass(frozen=True)
+class CommittedState:
+    """A verified snapshot: ``round`` committed, ``files`` name -> bytes, ``manifest``."""
+
+    round: int
+    files: dict[str, bytes]
+    manifest: dict[str, Any]
+    path: Path
+
+    def json(self, name: str) -> Any:
+        """Parsed ``<name>`` (a JSON file of the snapshot); KeyError if absent."""
+        return json.loads(self.files[name].decode("utf-8"))
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        return dict(self.manifest.get("meta", {}))
+
+
+class StateStore:
+    """A federation's state directory (see module docs).
+
+    Args:
+        root: the state directory (created on first commit).
+        keep: committed snapshots kept (>= 1; older ones are removed after a commit).
+    """
+
+    def __init__(self, root: str | Path, keep: int = 2) -> None:
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise StateError("keep: must be an integer >= 1")
+        self.root = Path(root)
+        self.keep = keep
+
+    @property
+    def commits_dir(self) -> Path:
+        return self.root / "commits"
+
+    @property
+    def ledger_dir(self) -> Path:
+        return self.root / "ledger"
+
+    def current_name(self) -> str | None:
+        """Folder name of the snapshot in force, or None for a fresh directory."""
+        p = self.root / "CURRENT"
+        if not p.exists():
+            return None
+        name = p.read_text("utf-8").strip()
+        if not name or not set(name) <= _NAME_OK:
+            raise StateCorrupt("CURRENT: does not name a snapshot folder")
+        return name
+
+    def load(self) -> CommittedState | None:
+        """The verified snapshot in force, or None when nothing was committed yet.
+
+        Raises:
+            StateCorrupt: a file is missing or its SHA-256 differs from the manifest.
+        """
+        name = self.current_name()
+        if name is None:
+            return None
+        folder = self.commits_dir / name
+        try:
+            manifest = json.loads((folder / "manifest.json").read_text("utf-8"))
+        except (OSError, ValueError):
+            raise StateCorrupt(f"{name}/manifest.json: missing or not JSON") from None
+        if manifest.get("schema") != STATE_SCHEMA:
+            raise StateCorrupt(f"{name}/manifest.json: schema is not {STATE_SCHEMA}")
+        files: dict[str, bytes] = {}
+        for fname, info in sorted(manifest["files"].items()):
+            try:
+                data = (folder / fname).read_bytes()
+            except OSError:
+                raise StateCorrupt(f"{name}/{fname}: missing") from None
+            if _sha(data) != info["sha256"] or len(data) != info["size"]:
+                raise StateCorrupt(f"{name}/{fname}: content does not match the manifest")
+            files[fname] = data
+        return CommittedState(int(manifest["round"]), files, manifest, folder)
+
+    def commit(self, round_number: int, files: Mapping[str, bytes],
+               meta: Mapping[str, Any] | None = None) -> Path:
+        """Atomically make ``files`` the state of ``round_number`` (see module docs).
+
+        Returns the snapshot folder. Raises StateError for a bad file name or round.
+        """
+        if isinstance(round_number, bool) or not isinstance(round_number, int) or round_number < 0:
+            raise StateError("round_number: must be an integer >= 0")
+        for fname in files:
+            if fname == "manifest.json" or not fname or not set(fname) <= _NAME_OK \
+                    or fname.startswith("."):
+                raise StateError(f"files: invalid snapshot file name {fname!r}")
+        self.commits_dir.mkdir(parents=True, exist_ok=True)
+        self._remove_partial()
+        final_name = f"round_{round_number:06d}-{uuid.uuid4().hex[:8]}"
+        tmp = self.commits_dir / f".tmp-{final_name}"
+        tmp.mkdir()
+        manifest = {
+            "schema": STATE_SCHEMA,
+            "round": round_number,
+            "files": {},
+            "meta": dict(meta or {}),
+        }
+        for fname, data in sorted(files.items()):
+            _write_synced(tmp / fname, data)
+            manifest["files"][fname] = {"sha256": _sha(data), "size": len(data)}
+        _write_synced(tmp / "manifest.json",
+                      (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode())
+        _fsync_dir(tmp)
+        final = self.commits_dir / final_name
+        os.rename(tmp, final)
+        _fsync_dir(self.commits_dir)
+        cur_tmp = self.root / f".CURRENT.tmp-{os.getpid()}"
+        _write_synced(cur_tmp, (final_name + "\n").encode())
+        os.replace(cur_tmp, self.root / "CURRENT")
+        _fsync_dir(self.root)
+        self._prune(final_name)
+        return final
+
+    def mark_started(self, round_number: int) -> None:
+        """Record that ``round_number`` started (``progress.json``; informational)."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = self.root / f".progress.tmp-{os.getpid()}"
+        _write_synced(tmp, json.dumps({"started_round": int(round_number),
+                                       "pid": os.getpid()}).encode())
+        os.replace(tmp, self.root / "progress.json")
+
+    def progress(self) -> dict[str, Any] | None:
+        p = self.root / "progress.json"
+        try:
+            return json.loads(p.read_text("utf-8"))
+        except (OSError, ValueError):
+            return None
+
+    @contextlib.contextmanager
+    def lock(self) -> Iterator[None]:
+        """Exclusive lock for a flow run (non-blocking). Raises :class:`StateLocked`."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.root / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise StateLocked(f"state dir {str(self.root)!r}: another run holds its "
+                                  "lock") from None
+            try:
+                yield
+            finally:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
+
+    def _remove_partial(self) -> None:
+        for p in self.commits_dir.glob(".tmp-*"):
+            shutil.rmtree(p, ignore_errors=True)
+
+    def _prune(self, current: str) -> None:
+        done = sorted(p.name for p in self.commits_dir.iterdir()
+                      if p.is_dir() and p.name.startswith("round_"))
+        old = [n for n in done if n != current]
+        for n in old[: max(0, len(done) - self.keep)]:
+            shutil.rmtree(self.commits_dir / n, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------- federation
+
+
+def _json_bytes(obj: Any) -> bytes:
+    return (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode("utf-8")
+
+
+def snapshot_federation(fed: Any, round_number: int) -> dict[str, bytes]:
+    """The clma-level state of a :class:`clma.sim.federation.SimulatedFederation` after
+    ``round_number`` as snapshot files (registry, models, clients, federation)."""
+    buf = io.BytesIO()
+    arrays = {f"cohort_{c}": np.asarray(v, dtype=np.float32)
+              for c, v in sorted(fed.cohort_models.items())}
+    if fed.merge_reference is not None:
+        arrays["merge_reference"] = np.asarray(fed.merge_reference, dtype=np.float32)
+    np.savez(buf, **arrays)
+    clients = {
+        str(cid): {
+            "detector_state": cl.detector_state,
+            "drifts": [dataclasses.asdict(d) for d in cl.drifts],
+        }
+        for cid, cl in sorted(fed.clients.items())
+    }
+    return {
+        "registry.json": _json_bytes(fed.registry.to_dict()),
+        "models.npz": buf.getvalue(),
+        "clients.json": _json_bytes(clients),
+        "federation.json": _json_bytes({
+            "round": int(round_number),
+            "name": fed.config.name,
+            "seed": fed.config.seed,
+            "resume_fingerprint": resume_fingerprint(fed.config),
+        }),
+    }
+
+
+def restore_federation(fed: Any, state: CommittedState) -> int:
+    """Load a snapshot into a freshly built federation (same config); returns its round.
+
+    Raises:
+        StateError: the snapshot belongs to a federation with another configuration
+            (name, seed, data, model, drift schedule, cohorting, evaluation, budget...).
+    """
+    info = state.json("federation.json")
+    if info.get("resume_fingerprint") != resume_fingerprint(fed.config):
+        raise StateError(
+            "config: differs from the federation stored in the state directory (only "
+            + ", ".join(RESUMABLE_FIELDS) + " may change when resuming)")
+    fed.registry = CohortRegistry.from_dict(state.json("registry.json"))
+    with np.load(io.BytesIO(state.files["models.npz"])) as z:
+        models = {int(k.split("_", 1)[1]): z[k].astype(np.float32) for k in z.files
+                  if k.startswith("cohort_")}
+        fed.merge_reference = (z["merge_reference"].astype(np.float32)
+                               if "merge_reference" in z.files else None)
+    active = set(fed.registry.active_cohorts())
+    if set(models) != active:
+        raise StateCorrupt("models.npz: cohort models do not match the registry's active "
+                           "cohorts")
+    fed.cohort_models = models
+    clients = state.json("clients.json")
+    if set(clients) != {str(c) for c in fed.clients}:
+        raise StateError("clients.json: client set differs from the configured federation")
+    for cid, cl in fed.clients.items():
+        doc = clients[str(cid)]
+        cl.detector_state = doc["detector_state"]
+        cl.drifts = [AppliedDrift(**d) for d in doc["drifts"]]
+    fed.rounds_done = int(info["round"])
+    return fed.rounds_done
