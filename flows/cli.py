@@ -27,6 +27,9 @@ def _quiet_prefect_defaults() -> None:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("DO_NOT_TRACK", "true")
     os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
+    # The temporary local API needs ~10 s on an idle 2-core machine; Prefect's default
+    # (20 s) is too tight when the machine is busy.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -53,7 +53,7 @@ from clma.cohort.ks import (
     ks_components_from_sorted,
     ks_critical_value,
 )
-from clma.cohort.projection import DEFAULT_BLOCK_BYTES, gram_pca_details
+from clma.cohort.projection import DEFAULT_BLOCK_BYTES, displacement_gram, gram_pca_details
 from clma.params.errors import NonFiniteParameterError, ParameterAlignmentError
 
 __all__ = [
@@ -234,6 +234,20 @@ class CLMACohorter(Cohorter):
         default ``min(2, os.cpu_count())``.
     block_bytes:
         Bound on the float64 column block used to accumulate Gram matrices.
+    reconcile_similarity:
+        Cosine similarity in (-1, 1] above which two groups that ended up in *different*
+        direction groups are merged, comparing their mean displacements from the reference;
+        ``None`` disables it. "auto" (default): 0.5 under the "established" direction rule,
+        ``None`` under "sign" (the published form). Why: the per-client direction test is a
+        hard threshold, so one identically drifted family whose clients sit near it splits
+        into a directed and an undirected part (seen on the digits: a family of 5 split 1+4).
+        Mean displacements of such parts point the same way (cosine ~0.7-0.9 on the digits),
+        while opposite shifts (~-1), independent zero-mean families (~0) and different
+        concepts (~0 on the digits) stay apart. Only groups from different direction groups
+        are compared, so the silhouette decision inside a direction group stands; "no_shift"
+        never merges. The mean displacements come from the ``(n, n)`` displacement Gram
+        matrix (:func:`clma.cohort.projection.displacement_gram`), so no ``(k, n_params)``
+        copy is made.
 
     Memory: the stack is used in place (float32, no copy); the reference is sorted once per
     :meth:`cohort` call; per client one sorted copy plus O(n_params) int64/float64
@@ -244,7 +258,8 @@ class CLMACohorter(Cohorter):
                  variance_threshold: float = 0.95, center: bool = True,
                  min_ks_magnitude: float = 0.0, *, direction_rule: DirectionRule = "auto",
                  direction_alpha: float = 0.05, n_jobs: int | None = None,
-                 block_bytes: int = DEFAULT_BLOCK_BYTES) -> None:
+                 block_bytes: int = DEFAULT_BLOCK_BYTES,
+                 reconcile_similarity: float | None | Literal["auto"] = "auto") -> None:
         if not isinstance(clusterer, Clusterer):
             raise TypeError("clusterer: must be a clma.cohort.Clusterer")
         v = float(variance_threshold)
@@ -259,6 +274,15 @@ class CLMACohorter(Cohorter):
             raise ValueError("direction_alpha: must lie in (0, 1)")
         if n_jobs is not None and (int(n_jobs) != n_jobs or n_jobs < 1):
             raise ValueError("n_jobs: must be None or an integer >= 1")
+        if reconcile_similarity != "auto" and reconcile_similarity is not None:
+            try:
+                rs = float(reconcile_similarity)
+            except (TypeError, ValueError):
+                rs = float("nan")
+            if not (-1.0 < rs <= 1.0) or not np.isfinite(rs):
+                raise ValueError("reconcile_similarity: must be 'auto', None or lie in (-1, 1]")
+            reconcile_similarity = rs
+        self.reconcile_similarity = reconcile_similarity
         self.clusterer = clusterer
         self.variance_threshold = v
         self.center = bool(center)
@@ -267,6 +291,13 @@ class CLMACohorter(Cohorter):
         self.direction_alpha = float(direction_alpha)
         self.n_jobs = n_jobs
         self.block_bytes = int(block_bytes)
+
+    @property
+    def effective_reconcile_similarity(self) -> float | None:
+        """The reconciliation threshold in force ("auto": 0.5 if "established", else None)."""
+        if self.reconcile_similarity == "auto":
+            return 0.5 if self.effective_direction_rule == "established" else None
+        return self.reconcile_similarity
 
     @property
     def effective_direction_rule(self) -> Literal["established", "sign"]:
@@ -279,7 +310,8 @@ class CLMACohorter(Cohorter):
         return (f"CLMACohorter(clusterer={self.clusterer!r}, "
                 f"variance_threshold={self.variance_threshold}, center={self.center}, "
                 f"min_ks_magnitude={self.min_ks_magnitude}, "
-                f"direction_rule={self.direction_rule!r}, direction_alpha={self.direction_alpha})")
+                f"direction_rule={self.direction_rule!r}, direction_alpha={self.direction_alpha}, "
+                f"reconcile_similarity={self.reconcile_similarity!r})")
 
     def ks_components(self, matrix: np.ndarray, reference: np.ndarray) -> list[KSComponents]:
         """One-sided KS distances of every row against the reference (sorted once)."""
@@ -300,6 +332,42 @@ class CLMACohorter(Cohorter):
         if threshold is not None and not comp.direction_gap > threshold:
             return "undirected"
         return "positive" if comp.sign > 0 else "negative"
+
+    def _reconcile(self, mat: np.ndarray, ref: np.ndarray,
+                   keys: list[tuple[str, int]]) -> dict[tuple[str, int], tuple[str, int]]:
+        """Map each (direction, group) key to the key of the merged group it joins.
+
+        Union-find over pairs of groups from different direction groups (never "no_shift")
+        whose mean displacements have cosine similarity >= the threshold.
+        """
+        thr = self.effective_reconcile_similarity
+        groups = sorted({k for k in keys if k[0] != "no_shift"})
+        if thr is None or len({d for d, _ in groups}) < 2:
+            return {}
+        gram = displacement_gram(mat, ref, block_bytes=self.block_bytes)
+        weights = np.zeros((len(groups), len(keys)))
+        index = {g: i for i, g in enumerate(groups)}
+        for r, k in enumerate(keys):
+            if k in index:
+                weights[index[k], r] = 1.0
+        weights /= weights.sum(axis=1, keepdims=True)
+        cc = weights @ gram @ weights.T  # centroid dot products
+        norms = np.sqrt(np.clip(np.diag(cc), 0.0, None))
+        parent = list(range(len(groups)))
+
+        def find(i: int) -> int:
+            while parent[i] != i:
+                parent[i] = parent[parent[i]]
+                i = parent[i]
+            return i
+
+        for i in range(len(groups)):
+            for j in range(i + 1, len(groups)):
+                if groups[i][0] == groups[j][0] or norms[i] == 0.0 or norms[j] == 0.0:
+                    continue
+                if cc[i, j] / (norms[i] * norms[j]) >= thr:
+                    parent[find(j)] = find(i)
+        return {g: groups[find(i)] for i, g in enumerate(groups) if find(i) != i}
 
     def cohort(self, client_ids: Sequence[ClientId], matrix: np.ndarray,
                reference: np.ndarray) -> CohortAssignment:
@@ -357,10 +425,13 @@ class CLMACohorter(Cohorter):
             for r, s in zip(rows, sub.tolist(), strict=True):
                 group_labels[r] = (direction, int(s))
 
+        keys = [k for k in group_labels if k is not None]
+        alias = self._reconcile(mat, ref, keys)
         local: dict[tuple[str, int], int] = {}
         assignments: dict[ClientId, int] = {}
         for cid, key in zip(ids, group_labels, strict=True):
             assert key is not None
+            key = alias.get(key, key)
             if key not in local:
                 local[key] = len(local)
             assignments[cid] = local[key]

@@ -23,7 +23,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["GramPCAResult", "gram_matrix", "gram_pca", "gram_pca_details", "gram_pca_from_gram"]
+__all__ = [
+    "GramPCAResult",
+    "displacement_gram",
+    "gram_matrix",
+    "gram_pca",
+    "gram_pca_details",
+    "gram_pca_from_gram",
+]
 
 DEFAULT_BLOCK_BYTES = 64 * 1024 * 1024
 
@@ -74,6 +81,34 @@ def gram_matrix(matrix: np.ndarray, rows: np.ndarray | None = None, *, center: b
         gram += blk @ blk.T
         del blk, part
     # Symmetrise away round-off in the BLAS accumulation.
+    gram += gram.T
+    gram *= 0.5
+    return gram
+
+
+def displacement_gram(matrix: np.ndarray, reference: np.ndarray, *,
+                      block_bytes: int = DEFAULT_BLOCK_BYTES) -> np.ndarray:
+    """Float64 Gram matrix of the displacements ``D = matrix - reference``: ``D D^T``.
+
+    ``matrix`` ``(n, n_params)`` (float32 in CLMA, not copied), ``reference``
+    ``(n_params,)``. Accumulated by column blocks of at most ``block_bytes`` float64, so the
+    extra memory is one block, never an ``(n, n_params)`` copy. Returns ``(n, n)`` float64.
+    Mean displacements of client groups follow from it without touching the stack again:
+    for indicator weights ``a_g`` (1/|g| on members), ``c_g . c_h = a_g^T (D D^T) a_h``.
+    """
+    if matrix.ndim != 2 or reference.shape != (matrix.shape[1],):
+        raise ValueError("matrix/reference: need (n, n_params) and (n_params,)")
+    n, p = matrix.shape
+    gram = np.zeros((n, n), dtype=np.float64)
+    if n == 0 or p == 0:
+        return gram
+    block = max(1, int(block_bytes) // (8 * n))
+    for start in range(0, p, block):
+        stop = min(p, start + block)
+        blk = matrix[:, start:stop].astype(np.float64, copy=True)
+        blk -= reference[start:stop]
+        gram += blk @ blk.T
+        del blk
     gram += gram.T
     gram *= 0.5
     return gram
