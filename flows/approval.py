@@ -2,7 +2,7 @@
 ``clma approve``.
 
 When an evaluation release would overspend its line, :func:`tasks.budget.budgeted_evaluation`
-calls :func:`borrow_gate` (at most once per budget epoch and line). With
+calls :func:`borrow_gate` (at most once per budget epoch). With
 ``budget.approval_gate = "pause"`` the gate runs the subflow :func:`borrow_approval_flow`
 (run name ``borrow-e<epoch>-<line>``), which pauses *its own* flow run with
 ``pause_flow_run(wait_for_input=BorrowApprovalForm.with_initial_data(approve=False, ...))``:

@@ -21,10 +21,10 @@ release, in order:
    (``evaluation.global`` or ``evaluation.regional`` line; regional charges carry the
    client -> region membership so a client moving region switches the line to the sum);
 3. a charge refused because the line would exceed its cap goes to the borrowing gate
-   (``gate``: :func:`flows.approval.borrow_gate`) unless a borrow was already approved in
-   this epoch (a second one would be refused) or this line's request was already decided
-   in this epoch — the ledger's borrow records make that durable across re-runs; if the
-   borrow is approved the charge is reserved again;
+   (``gate``: :func:`flows.approval.borrow_gate`) once per budget epoch: not after a
+   borrow was approved in this epoch (a second one would be refused) nor after a refused
+   request (training is already frozen) — the ledger's borrow records make that durable
+   across re-runs; if the borrow is approved the charge is reserved again;
 4. only a granted reservation draws noise; the published report is committed into the
    ledger, so a re-run (Prefect retry, restart after a crash) republishes the stored
    report and draws nothing (``republished``); a refused release draws no noise and is
@@ -353,13 +353,14 @@ def _borrow_amount(
 def _gate_skip_reason(budget: BudgetState, epoch: int, line: LineItem) -> str | None:
     """Why no approver is asked (durable: read from the ledger's borrow records): the
     policy allows no borrowing, a borrow was already approved this epoch (a second one
-    would be refused), or this line's request was already decided this epoch."""
+    would be refused), or a request was already decided this epoch (approvers are asked
+    at most once per epoch; after a refusal training is frozen for the epoch anyway)."""
     if budget.policy.borrowing.max_borrows_per_epoch == 0:
         return "borrowing_disabled_by_policy"
     borrows = budget.ledger.borrows(epoch)
     if any(b["approved"] for b in borrows):
         return "already_borrowed_this_epoch"
-    if any(b["line"] == line.value for b in borrows):
+    if borrows:
         return "already_decided_this_epoch"
     return None
 
