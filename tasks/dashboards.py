@@ -1,0 +1,257 @@
+"""Dashboards of the published evaluation: one figure per metric, one panel per region.
+
+Input is only what was *published* (the regional report of each evaluation round,
+``EvaluationOutcome.published``): values, published 95 % error bars, participant bands
+and fired alerts -- never exact counts, never client ids. :class:`DashboardHistory` keeps
+the published series across rounds (JSON round trip, stored in the durable state so a
+resumed federation draws its whole history).
+
+Each figure (``dashboards/<metric>.png``) has one panel per region plus ``global``:
+
+1. the uncertainty band ``value +- error_bar`` is drawn FIRST (``fill_between``, lowest
+   z-order), so the eye meets the uncertainty before the number;
+2. the published value as a line with markers SECOND;
+3. the contributors band (participant band of the latest release; ``suppressed`` when the
+   region was not published) labelled on EVERY panel;
+4. alerts marked with a red triangle at the alerted round and value.
+
+Rounds where a region was suppressed are gaps (NaN), not zeros.
+
+Outputs per evaluation round (:func:`publish_dashboards`): the PNGs logged to MLflow
+(``log_figure``, ``dashboards/<metric>.png``, overwritten: the latest figure holds the
+whole history) and written to ``<out>/dashboards/``; a Prefect markdown artifact and a
+table artifact (key ``clma-dashboard-<federation>``) with the round's published values,
+bars, bands and alerts, so the Prefect UI shows what happened without opening MLflow.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = [
+    "DashboardHistory",
+    "SeriesPoint",
+    "artifact_key",
+    "dashboard_figures",
+    "publish_dashboards",
+    "summary_markdown",
+    "summary_rows",
+]
+
+GLOBAL = "global"
+
+
+class SeriesPoint(BaseModel):
+    """One published release: round, value, error bar, participant band (None values =
+    suppressed / not evaluated that round)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    round: int
+    value: float | None = None
+    error_bar: float | None = None
+    band: str = "suppressed"
+
+
+class DashboardHistory(BaseModel):
+    """Published series ``metric -> region -> [points]`` and fired alerts over rounds."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    series: dict[str, dict[str, list[SeriesPoint]]] = Field(default_factory=dict)
+    alerts: list[dict[str, Any]] = Field(default_factory=list)
+    rounds: list[int] = Field(default_factory=list)
+
+    def add_report(self, report: Mapping[str, Any]) -> None:
+        """Add one published regional report (``EvaluationOutcome.published``).
+
+        A round already present is replaced (re-run after a crash: no double points).
+        """
+        rnd = int(report["round"])
+        if rnd in self.rounds:
+            self.drop_round(rnd)
+        self.rounds.append(rnd)
+        self.rounds.sort()
+        for name, rep in report.get("metrics", {}).items():
+            regions = dict(rep.get("regions") or {})
+            if rep.get("global") is not None:
+                regions[GLOBAL] = rep["global"]
+            by_region = self.series.setdefault(name, {})
+            for region in set(by_region) | set(regions):
+                pub = regions.get(region)
+                if pub is None or pub.get("value") is None:
+                    pt = SeriesPoint(round=rnd)
+                else:
+                    pt = SeriesPoint(round=rnd, value=float(pub["value"]),
+                                     error_bar=float(pub.get("error_bar") or 0.0),
+                                     band=str(pub.get("participant_band", "unknown")))
+                by_region.setdefault(region, []).append(pt)
+                by_region[region].sort(key=lambda p: p.round)
+        for a in report.get("alerts", []):
+            self.alerts.append({k: a[k] for k in ("metric", "region", "round", "value")
+                                if k in a})
+
+    def drop_round(self, rnd: int) -> None:
+        self.rounds = [r for r in self.rounds if r != rnd]
+        for by_region in self.series.values():
+            for region, pts in by_region.items():
+                by_region[region] = [p for p in pts if p.round != rnd]
+        self.alerts = [a for a in self.alerts if a.get("round") != rnd]
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> DashboardHistory:
+        return cls.model_validate(dict(data))
+
+
+def _regions_order(regions: Sequence[str]) -> list[str]:
+    return sorted(r for r in regions if r != GLOBAL) + ([GLOBAL] if GLOBAL in regions else [])
+
+
+def dashboard_figures(history: DashboardHistory) -> dict[str, Any]:
+    """One matplotlib figure per metric (a panel per region; see module docs).
+
+    Returns ``metric -> Figure``; the caller closes them (:func:`publish_dashboards` does).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    figs: dict[str, Any] = {}
+    for name, by_region in sorted(history.series.items()):
+        regions = _regions_order(list(by_region))
+        if not regions:
+            continue
+        ncols = min(3, len(regions))
+        nrows = math.ceil(len(regions) / ncols)
+        fig, axes = plt.subplots(nrows, ncols, figsize=(4.2 * ncols, 2.9 * nrows),
+                                 squeeze=False, sharex=True)
+        for ax in axes.flat[len(regions):]:
+            ax.set_visible(False)
+        for ax, region in zip(axes.flat, regions, strict=False):
+            pts = by_region[region]
+            x = np.array([p.round for p in pts], dtype=float)
+            y = np.array([np.nan if p.value is None else p.value for p in pts], dtype=float)
+            bar = np.array([np.nan if p.error_bar is None else p.error_bar for p in pts],
+                           dtype=float)
+            # 1. uncertainty band first (drawn below everything else)
+            ax.fill_between(x, y - bar, y + bar, color="tab:blue", alpha=0.25, lw=0,
+                            zorder=1, label="95% error bar")
+            # 2. the published value second
+            ax.plot(x, y, color="tab:blue", marker="o", ms=3, lw=1.5, zorder=2,
+                    label="published value")
+            # 4. alerts
+            fired = [a for a in history.alerts if a.get("metric") == name
+                     and a.get("region") == region]
+            if fired:
+                ax.scatter([a["round"] for a in fired], [a["value"] for a in fired],
+                           marker="v", s=60, color="tab:red", zorder=3, label="alert")
+            # 3. contributors band, on every panel
+            latest = pts[-1] if pts else None
+            band = latest.band if latest is not None else "suppressed"
+            ax.text(0.02, 0.96, f"contributors: {band}", transform=ax.transAxes, va="top",
+                    fontsize=7, bbox={"boxstyle": "round", "fc": "white", "alpha": 0.8},
+                    zorder=4)
+            ax.set_title(f"{name} - {region}", fontsize=9)
+            ax.tick_params(labelsize=7)
+            ax.grid(alpha=0.3)
+        for ax in axes[-1]:
+            ax.set_xlabel("round", fontsize=8)
+        axes.flat[0].legend(fontsize=6, loc="lower right")
+        fig.suptitle(f"{name}: published value, 95% error band first; contributors band "
+                     "per panel; alerts in red", fontsize=9)
+        fig.tight_layout()
+        figs[name] = fig
+    return figs
+
+
+def summary_rows(report: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Table rows of one published report: metric, region, value, error bar, band, alert."""
+    alerted = {(a["metric"], a["region"]) for a in report.get("alerts", [])}
+    rows: list[dict[str, Any]] = []
+    for name, rep in sorted(report.get("metrics", {}).items()):
+        regions = dict(rep.get("regions") or {})
+        if rep.get("global") is not None:
+            regions[GLOBAL] = rep["global"]
+        for region in _regions_order(list(regions)):
+            pub = regions[region]
+            rows.append({
+                "round": int(report["round"]), "metric": name, "region": region,
+                "value": round(float(pub["value"]), 4),
+                "error_bar_95": round(float(pub.get("error_bar") or 0.0), 4),
+                "contributors_band": str(pub.get("participant_band", "unknown")),
+                "alert": (name, region) in alerted,
+            })
+    return rows
+
+
+def summary_markdown(report: Mapping[str, Any], federation: str) -> str:
+    """Markdown summary of one evaluation round (Prefect UI)."""
+    rows = summary_rows(report)
+    lines = [f"# {federation}: round {int(report['round'])}", "",
+             f"Published releases: {len(rows)}; alerts fired: "
+             f"{int(report.get('alerts_fired', len(report.get('alerts', []))))}; "
+             f"suppressed regions: {report.get('suppressed_regions_band', 'n/a')}.", "",
+             "| metric | region | value ± 95% bar | contributors | alert |",
+             "|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['metric']} | {r['region']} | {r['value']:.3f} ± "
+                     f"{r['error_bar_95']:.3f} | {r['contributors_band']} | "
+                     f"{'**ALERT**' if r['alert'] else ''} |")
+    lines += ["", "Values are differentially private releases (noise once on the secure "
+              "aggregate); contributors are bands, never counts."]
+    return "\n".join(lines) + "\n"
+
+
+def artifact_key(federation: str) -> str:
+    """Prefect artifact key: lowercase letters, digits and dashes."""
+    slug = re.sub(r"[^a-z0-9]+", "-", federation.lower()).strip("-") or "federation"
+    return f"clma-dashboard-{slug[:40]}-{hashlib.sha256(federation.encode()).hexdigest()[:8]}"
+
+
+def publish_dashboards(history: DashboardHistory, report: Mapping[str, Any], *,
+                       federation: str, tracker: Any = None, out_dir: str | None = None,
+                       prefect_artifacts: bool = True) -> dict[str, Path | None]:
+    """Add ``report`` to ``history`` and publish the dashboards (see module docs).
+
+    Returns ``metric -> PNG path`` (None when no out folder was given).
+    """
+    import matplotlib.pyplot as plt
+
+    history.add_report(report)
+    figs = dashboard_figures(history)
+    written: dict[str, Path | None] = {}
+    try:
+        for name, fig in figs.items():
+            path = None
+            if out_dir:
+                path = Path(out_dir) / "dashboards" / f"{name}.png"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                fig.savefig(path, dpi=80)
+            if tracker is not None and getattr(tracker, "run_id", None):
+                tracker.client.log_figure(tracker.run_id, fig, f"dashboards/{name}.png")
+            written[name] = path
+    finally:
+        for fig in figs.values():
+            plt.close(fig)
+    if prefect_artifacts:
+        from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+        key = artifact_key(federation)
+        rnd = int(report["round"])
+        create_markdown_artifact(key=key, markdown=summary_markdown(report, federation),
+                                 description=f"Published evaluation, round {rnd}")
+        create_table_artifact(key=f"{key}-table", table=summary_rows(report),
+                              description=f"Published evaluation, round {rnd}")
+    return written

@@ -1,0 +1,387 @@
+"""Cohort lineage in MLflow: one nested run per cohort, its models, and the lineage graph.
+
+Schema (what :class:`CohortLineageTracker` writes; no client id is ever logged):
+
+* **Cohort run** (one per cohort, created in the round the cohort appears), nested under
+  the federation run (tag ``mlflow.parentRunId``), run name ``cohort-<id>``. Tags:
+
+  ====================================  ==================================================
+  ``clma.kind``                         ``cohort``
+  ``clma.cohort.id``                    the cohort's global id (``clma.cohort`` registry)
+  ``clma.cohort.parents``               parent ids, comma-separated ascending ("" = root)
+  ``clma.cohort.ancestor.<id>``         ``true`` for every ancestor (parents, their
+                                        parents, ...): the search key for descendants
+  ``clma.cohort.created_round``         round it was created (0 = the federation's start)
+  ``clma.cohort.merged_round``          round it was merged into a new cohort (if so)
+  ``clma.cohort.retired_round``         round it was retired (emptied by a split)
+  ``clma.cohort.status``                ``active`` | ``merged`` | ``retired``
+  ``clma.release.participant_band``     members' count band relative to the cohort floor
+                                        (``minimum_to_under_double``,
+                                        ``double_to_under_fourfold``, ``fourfold_or_more``;
+                                        ``below_minimum`` under the floor, ``none`` when
+                                        empty) -- never the exact count
+  ``clma.federation.run_id``            the federation run
+  ====================================  ==================================================
+
+  Its model: in every round the cohort's parameter vector changes, an MLflow model
+  (``mlflow.pytorch`` flavour, the safe ``pt2`` exported-graph format, batch dimension
+  dynamic) under ``model/round_NNN`` of the cohort run, registered as a new version of
+  the registered model :func:`registered_model_name` (version tags ``clma.cohort.id``,
+  ``clma.round``, ``clma.model.sha256`` of the float32 parameter vector) and the alias ``cohort-<id>`` moved to it, so
+  ``mlflow.pytorch.load_model("models:/<name>@cohort-<id>")`` loads a cohort's latest model.
+  Metrics of the cohort run (step = round): ``active`` (1/0).
+
+* **Lineage artifact** on the federation run: ``lineage/lineage.json`` (schema
+  ``clma.lineage/1``: cohorts with parents, created/ended round, status, band; split and
+  merge events by round) and ``lineage/lineage.png`` (each cohort a horizontal life line
+  over rounds, arrows from parent to child at a split or merge). Both are rewritten after
+  every round.
+
+Find every cohort descended from cohort 3 (documented search, tested)::
+
+    MlflowClient().search_runs([experiment_id],
+        filter_string="tags.`clma.cohort.ancestor.3` = 'true'")
+
+(tag names containing dots must be quoted with backticks -- or double quotes -- in
+MLflow's filter syntax; add ``and tags.`mlflow.parentRunId` = '<federation run id>'`` to
+stay inside one federation).
+
+Re-runs are idempotent: a cohort run is looked up by its tags before one is created, and
+a model version already registered for (cohort, round) is reused, so resuming a crashed
+round never duplicates runs or versions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from clma.cohort import CohortRegistry
+from clma.release.aggregate import BelowCohortFloor, participant_band
+from clma.sim.federation import SimulatedFederation
+
+__all__ = [
+    "LINEAGE_SCHEMA",
+    "CohortLineageTracker",
+    "LineageState",
+    "cohort_band",
+    "descendants_filter",
+    "lineage_document",
+    "registered_model_name",
+    "render_lineage_png",
+]
+
+LINEAGE_SCHEMA = "clma.lineage/1"
+TAG_ID = "clma.cohort.id"
+TAG_PARENTS = "clma.cohort.parents"
+TAG_ANCESTOR = "clma.cohort.ancestor."
+TAG_BAND = "clma.release.participant_band"
+
+
+def descendants_filter(cohort_id: int, federation_run_id: str | None = None) -> str:
+    """MLflow ``filter_string`` matching every cohort run descended from ``cohort_id``.
+
+    Raises ValueError for a negative or non-integer id.
+    """
+    if isinstance(cohort_id, bool) or not isinstance(cohort_id, int) or cohort_id < 0:
+        raise ValueError("cohort_id: must be an integer >= 0")
+    f = f"tags.`{TAG_ANCESTOR}{cohort_id}` = 'true'"
+    if federation_run_id:
+        f += f" and tags.`mlflow.parentRunId` = '{federation_run_id}'"
+    return f
+
+
+def registered_model_name(config: Any) -> str:
+    """Registered-model name of a federation's cohort models: ``<name>-seed<seed>-cohorts``."""
+    return f"{config.name}-seed{config.seed}-cohorts"
+
+
+def cohort_band(n_members: int, min_cohort: int) -> str:
+    """Members' count band of a cohort (see module table); never the count itself."""
+    if n_members <= 0:
+        return "none"
+    try:
+        return participant_band(n_members, min_cohort).value
+    except BelowCohortFloor:
+        return "below_minimum"
+
+
+def _min_cohort(fed: SimulatedFederation) -> int:
+    from tasks.evaluate import effective_min_cohort
+
+    return effective_min_cohort(fed)
+
+
+def lineage_document(registry: CohortRegistry, min_cohort: int, rounds_done: int
+                     ) -> dict[str, Any]:
+    """``lineage.json``: cohorts (parents, rounds, status, band) and split/merge events.
+
+    No client ids and no exact member counts.
+    """
+    cohorts = []
+    for cid, rec in sorted(registry.cohorts.items()):
+        cohorts.append({
+            "cohort_id": cid,
+            "parents": sorted(rec.parents),
+            "ancestors": registry.ancestors(cid),
+            "created_round": rec.created_round,
+            "ended_round": rec.ended_round,
+            "status": rec.status,
+            "participant_band": cohort_band(len(rec.members), min_cohort),
+        })
+    events = [
+        {"kind": e.kind, "round": e.round, "parents": list(e.parents),
+         "children": list(e.children), "reason": e.reason}
+        for e in registry.lineage if e.kind in ("split", "merge", "retire", "create")
+    ]
+    return {"schema": LINEAGE_SCHEMA, "rounds_done": rounds_done, "cohorts": cohorts,
+            "events": events}
+
+
+def render_lineage_png(doc: Mapping[str, Any], path: str | Path) -> Path:
+    """Draw the lineage graph of :func:`lineage_document` to a PNG file; returns its path.
+
+    x = round, one horizontal life line per cohort (solid while active, ending at its
+    merge/retire round), arrows parent -> child at the child's creation round (blue for
+    splits, green for merges).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cohorts = list(doc["cohorts"])
+    last = max([int(doc["rounds_done"])] + [c["created_round"] for c in cohorts] + [1])
+    lane = {c["cohort_id"]: i for i, c in enumerate(cohorts)}
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.6 * last + 3), max(2.5, 0.5 * len(cohorts) + 1.5)))
+    try:
+        for c in cohorts:
+            y = lane[c["cohort_id"]]
+            end = c["ended_round"] if c["ended_round"] is not None else last
+            color = {"active": "tab:blue", "merged": "tab:green", "retired": "tab:gray"}[c["status"]]
+            ax.plot([c["created_round"], end], [y, y], color=color, lw=3, solid_capstyle="butt")
+            ax.annotate(f"cohort {c['cohort_id']} [{c['participant_band']}]",
+                        (c["created_round"], y), xytext=(2, 5), textcoords="offset points",
+                        fontsize=7)
+        for e in doc["events"]:
+            if e["kind"] not in ("split", "merge"):
+                continue
+            for p in e["parents"]:
+                for ch in e["children"]:
+                    if p in lane and ch in lane:
+                        ax.annotate("", xy=(e["round"], lane[ch]), xytext=(e["round"], lane[p]),
+                                    arrowprops={"arrowstyle": "->", "lw": 1.2, "color":
+                                                "tab:blue" if e["kind"] == "split" else "tab:green"})
+        ax.set_xlim(-0.5, last + 0.5)
+        ax.set_ylim(-0.8, len(cohorts) - 0.2)
+        ax.set_yticks(range(len(cohorts)), [str(c["cohort_id"]) for c in cohorts])
+        ax.invert_yaxis()
+        ax.set_xlabel("round")
+        ax.set_ylabel("cohort")
+        ax.set_title("Cohort lineage: splits (blue arrows) and merges (green) over rounds")
+        ax.grid(axis="x", alpha=0.3)
+        fig.tight_layout()
+        out = Path(path)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out, dpi=90)
+    finally:
+        plt.close(fig)
+    return out
+
+
+class LineageState(BaseModel):
+    """What the tracker keeps between rounds (stored in the durable federation state).
+
+    ``cohort_runs``: cohort id (as str) -> MLflow run id; ``model_sha``: cohort id ->
+    SHA-256 of the last logged parameter vector; ``model_versions``: cohort id -> the
+    registered version the alias points at.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    cohort_runs: dict[str, str] = Field(default_factory=dict)
+    model_sha: dict[str, str] = Field(default_factory=dict)
+    model_versions: dict[str, str] = Field(default_factory=dict)
+    ended: dict[str, str] = Field(default_factory=dict)
+
+
+def _vector_sha(v: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(v, dtype=np.float32).tobytes()).hexdigest()
+
+
+class CohortLineageTracker:
+    """Mirror the cohort registry of one federation run into MLflow (see module docs).
+
+    Args:
+        client: an :class:`mlflow.MlflowClient`.
+        experiment_id: the federation run's experiment.
+        federation_run_id: the parent run.
+        model_name: registered-model name (:func:`registered_model_name`).
+        log_models: log and register cohort models (else tags and lineage only).
+        state: a :class:`LineageState` from an earlier flow run (resume), or None.
+    """
+
+    def __init__(self, client: Any, experiment_id: str, federation_run_id: str,
+                 model_name: str, *, log_models: bool = True,
+                 state: LineageState | None = None) -> None:
+        self.client = client
+        self.experiment_id = experiment_id
+        self.federation_run_id = federation_run_id
+        self.model_name = model_name
+        self.log_models = log_models
+        self.state = state or LineageState()
+        self._model_registered = False
+
+    # ------------------------------------------------------------------ runs
+    def _find_run(self, cohort_id: int) -> str | None:
+        runs = self.client.search_runs(
+            [self.experiment_id],
+            filter_string=(f"tags.`{TAG_ID}` = '{cohort_id}' and "
+                           f"tags.`mlflow.parentRunId` = '{self.federation_run_id}'"),
+            max_results=5,
+        )
+        return runs[0].info.run_id if runs else None
+
+    def cohort_run(self, cohort_id: int, registry: CohortRegistry) -> str:
+        """The MLflow run of ``cohort_id`` (found or created, with its static tags)."""
+        key = str(cohort_id)
+        if key in self.state.cohort_runs:
+            return self.state.cohort_runs[key]
+        rid = self._find_run(cohort_id)
+        if rid is None:
+            rec = registry.cohort(cohort_id)
+            tags = {
+                "mlflow.parentRunId": self.federation_run_id,
+                "clma.kind": "cohort",
+                TAG_ID: str(cohort_id),
+                TAG_PARENTS: ",".join(str(p) for p in sorted(rec.parents)),
+                "clma.cohort.created_round": str(rec.created_round),
+                "clma.federation.run_id": self.federation_run_id,
+            }
+            for a in registry.ancestors(cohort_id):
+                tags[f"{TAG_ANCESTOR}{a}"] = "true"
+            rid = self.client.create_run(self.experiment_id, run_name=f"cohort-{cohort_id}",
+                                         tags=tags).info.run_id
+        self.state.cohort_runs[key] = rid
+        return rid
+
+    # ------------------------------------------------------------------ models
+    def _ensure_registered_model(self) -> None:
+        if self._model_registered:
+            return
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self.client.get_registered_model(self.model_name)
+        except MlflowException:
+            self.client.create_registered_model(
+                self.model_name,
+                description="CLMA cohort models; alias cohort-<id> = a cohort's latest model.",
+            )
+        self._model_registered = True
+
+    def _log_model(self, fed: SimulatedFederation, cohort_id: int, run_id: str,
+                   vector: np.ndarray, round_number: int, sha: str) -> str:
+        import mlflow.pytorch
+        import torch
+
+        from clma.params import AllParams, vector_to_model
+
+        self._ensure_registered_model()
+        artifact = f"model/round_{round_number:03d}"
+        existing = self.client.search_model_versions(
+            f"name = '{self.model_name}' and run_id = '{run_id}'")
+        for mv in existing:  # re-run of a round, or the same parameters already registered
+            if mv.tags.get("clma.round") == str(round_number) \
+                    or mv.tags.get("clma.model.sha256") == sha:
+                return str(mv.version)
+        module = vector_to_model(vector, fed.spec.build(seed=0), AllParams()).eval()
+        example = np.zeros((2, fed.spec.n_features), dtype=np.float32)
+        logging.getLogger("mlflow").setLevel(logging.ERROR)
+        with tempfile.TemporaryDirectory(prefix="clma-model-") as tmp:
+            mlflow.pytorch.save_model(
+                module, str(Path(tmp) / "model"), serialization_format="pt2",
+                input_example=example,
+                pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"],
+            )
+            self.client.log_artifacts(run_id, str(Path(tmp) / "model"), artifact)
+        mv = self.client.create_model_version(
+            self.model_name, source=f"runs:/{run_id}/{artifact}", run_id=run_id,
+            tags={TAG_ID: str(cohort_id), "clma.round": str(round_number),
+                  "clma.model.sha256": sha},
+        )
+        return str(mv.version)
+
+    # ------------------------------------------------------------------ per round
+    def sync_round(self, fed: SimulatedFederation, round_number: int) -> dict[str, Any]:
+        """Bring MLflow up to date after ``round_number``: cohort runs and tags, changed
+        models (logged + registered + alias), the lineage document and graph.
+
+        Returns the lineage document (also logged as ``lineage/lineage.json``).
+        """
+        from mlflow.entities import Metric, RunTag
+
+        reg = fed.registry
+        m = _min_cohort(fed)
+        import time
+
+        ts = int(time.time() * 1000)
+        for cid, rec in sorted(reg.cohorts.items()):
+            key = str(cid)
+            if key in self.state.ended:
+                continue  # merged / retired earlier: its run is final
+            rid = self.cohort_run(cid, reg)
+            tags = [RunTag("clma.cohort.status", rec.status),
+                    RunTag(TAG_BAND, cohort_band(len(rec.members), m))]
+            if rec.status == "merged":
+                tags.append(RunTag("clma.cohort.merged_round", str(rec.ended_round)))
+            if rec.status == "retired":
+                tags.append(RunTag("clma.cohort.retired_round", str(rec.ended_round)))
+            self.client.log_batch(rid, metrics=[
+                Metric("active", 1.0 if rec.status == "active" else 0.0, ts, round_number)],
+                tags=tags)
+            if rec.status != "active":
+                self.state.ended[key] = rec.status
+                self.client.set_terminated(rid, "FINISHED")
+                continue
+            vec = fed.cohort_models.get(cid)
+            if self.log_models and vec is not None:
+                sha = _vector_sha(vec)
+                if self.state.model_sha.get(key) != sha:
+                    version = self._log_model(fed, cid, rid, vec, round_number, sha)
+                    self.client.set_registered_model_alias(self.model_name, f"cohort-{cid}",
+                                                           version)
+                    self.state.model_sha[key] = sha
+                    self.state.model_versions[key] = version
+        doc = lineage_document(reg, m, round_number)
+        self.client.log_dict(self.federation_run_id, doc, "lineage/lineage.json")
+        with tempfile.TemporaryDirectory(prefix="clma-lineage-") as tmp:
+            png = render_lineage_png(doc, Path(tmp) / "lineage.png")
+            self.client.log_artifact(self.federation_run_id, str(png), "lineage")
+        return doc
+
+    def finish(self, status: str = "FINISHED") -> None:
+        """Terminate the runs of cohorts still active (end of a flow run)."""
+        for key, rid in self.state.cohort_runs.items():
+            if key not in self.state.ended:
+                self.client.set_terminated(rid, status)
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.state.model_dump(mode="json")
+
+
+def write_lineage_files(doc: Mapping[str, Any], out_dir: str | Path) -> tuple[Path, Path]:
+    """Write ``lineage.json`` and ``lineage.png`` under ``out_dir/lineage/``."""
+    base = Path(out_dir) / "lineage"
+    base.mkdir(parents=True, exist_ok=True)
+    j = base / "lineage.json"
+    j.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+    return j, render_lineage_png(doc, base / "lineage.png")

@@ -1,0 +1,153 @@
+"""Cohort lineage in MLflow (tasks/lineage.py) on a real SQLite store, without a flow:
+nested cohort runs, the documented descendants search, band tags, registered models with
+per-cohort aliases, idempotent re-sync, lineage JSON + PNG."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from clma.config import load_config
+from clma.sim.federation import build_federation
+
+SMALL = Path(__file__).parents[1] / "flows" / "small.toml"
+BANDS = {"minimum_to_under_double", "double_to_under_fourfold", "fourfold_or_more",
+         "below_minimum", "none"}
+
+
+@pytest.fixture(scope="module")
+def synced(tmp_path_factory):
+    from mlflow import MlflowClient
+    from tasks.lineage import CohortLineageTracker, registered_model_name
+
+    tmp = tmp_path_factory.mktemp("lineage")
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp / 'mlflow.db'}")
+    exp = client.create_experiment("lin", artifact_location=(tmp / "art").as_uri())
+    parent = client.create_run(exp, run_name="federation").info.run_id
+    fed = build_federation(load_config(SMALL))
+    reg = fed.registry
+    name = registered_model_name(fed.config)
+    lt = CohortLineageTracker(client, exp, parent, name)
+    docs = {}
+
+    def models(rnd, frozen=()):  # every active cohort's model changes, except `frozen`
+        fed.cohort_models = {
+            c: fed.cohort_models[c] if c in frozen
+            else np.full(fed.initial_model.shape, 0.01 * c + 0.001 * rnd, np.float32)
+            for c in reg.active_cohorts()}
+
+    docs[1] = lt.sync_round(fed, 1)                                  # root 0 only
+    reg.split(0, {0: [0, 2, 4, 6, 8], 1: [1, 3, 5, 7, 9]}, round=2)  # 0 -> 1, 2 (0 retired)
+    models(2)
+    docs[2] = lt.sync_round(fed, 2)
+    reg.split(1, {0: [0, 2]}, round=3)                               # 1 -> 3
+    models(3)
+    docs[3] = lt.sync_round(fed, 3)
+    reg.merge([2, 3], round=4)                                       # 2 + 3 -> 4
+    models(4, frozen={1})                                            # 1 unchanged
+    docs[4] = lt.sync_round(fed, 4)
+    return client, exp, parent, fed, lt, docs, name
+
+
+def _ids(runs):
+    return sorted(int(r.data.tags["clma.cohort.id"]) for r in runs)
+
+
+def test_documented_descendants_filter_finds_every_descendant(synced):
+    from tasks.lineage import descendants_filter
+
+    client, exp, parent, fed, *_ = synced
+    assert descendants_filter(3) == "tags.`clma.cohort.ancestor.3` = 'true'"
+    for cid in range(5):
+        runs = client.search_runs([exp], filter_string=f"tags.`clma.cohort.ancestor.{cid}` = 'true'")
+        assert _ids(runs) == fed.registry.descendants(cid)
+    assert _ids(client.search_runs([exp], descendants_filter(1, parent))) == [3, 4]
+    assert _ids(client.search_runs([exp], descendants_filter(0))) == [1, 2, 3, 4]
+    assert client.search_runs([exp], descendants_filter(4)) == []
+    with pytest.raises(ValueError, match="cohort_id"):
+        descendants_filter(-1)
+
+
+def test_cohort_runs_are_nested_and_tagged(synced):
+    client, exp, parent, fed, *_ = synced
+    runs = client.search_runs([exp], f"tags.`mlflow.parentRunId` = '{parent}'")
+    assert _ids(runs) == [0, 1, 2, 3, 4]
+    tags = {int(r.data.tags["clma.cohort.id"]): r.data.tags for r in runs}
+    assert tags[4]["clma.cohort.parents"] == "2,3"
+    assert tags[3]["clma.cohort.parents"] == "1"
+    assert tags[0]["clma.cohort.parents"] == ""
+    assert {k for k in tags[4] if k.startswith("clma.cohort.ancestor.")} == {
+        "clma.cohort.ancestor.0", "clma.cohort.ancestor.1", "clma.cohort.ancestor.2",
+        "clma.cohort.ancestor.3"}
+    assert tags[4]["clma.cohort.created_round"] == "4"
+    assert tags[2]["clma.cohort.status"] == "merged"
+    assert tags[2]["clma.cohort.merged_round"] == "4"
+    assert tags[0]["clma.cohort.status"] == "retired"
+    assert tags[0]["clma.cohort.retired_round"] == "2"
+    # bands, never counts (floor = max(min_cohort 2, policy 5) = 5: 7 members -> minimum_to_under_double)
+    assert tags[4]["clma.release.participant_band"] == "minimum_to_under_double"
+    assert tags[1]["clma.release.participant_band"] == "below_minimum"   # 3 members
+    assert tags[2]["clma.release.participant_band"] == "none"            # merged: empty
+    for t in tags.values():
+        assert t["clma.release.participant_band"] in BANDS
+        assert not any("client" in k for k in t)
+
+
+def test_models_registered_with_cohort_alias_and_loadable(synced, monkeypatch):
+    import mlflow.pytorch
+    import torch
+
+    from clma.params import AllParams, vector_to_model
+
+    client, exp, parent, fed, lt, docs, name = synced
+    for cid in fed.registry.active_cohorts():
+        mv = client.get_model_version_by_alias(name, f"cohort-{cid}")
+        assert mv.tags["clma.cohort.id"] == str(cid)
+    mv4 = client.get_model_version_by_alias(name, "cohort-4")
+    assert mv4.tags["clma.round"] == "4"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", client._tracking_client.tracking_uri)
+    model = mlflow.pytorch.load_model(f"models:/{name}@cohort-4")
+    x = torch.rand(5, fed.spec.n_features)
+    ref = vector_to_model(fed.cohort_models[4], fed.spec.build(seed=0), AllParams()).eval()
+    with torch.no_grad():
+        np.testing.assert_allclose(model(x).numpy(), ref(x).numpy(), rtol=1e-5, atol=1e-6)
+    # cohort 1 changed its model in rounds 2 and 3 -> two versions; alias on the later one
+    v1 = client.search_model_versions(f"name = '{name}' and run_id = '{lt.state.cohort_runs['1']}'")
+    assert sorted(v.tags["clma.round"] for v in v1) == ["2", "3"]
+    assert client.get_model_version_by_alias(name, "cohort-1").tags["clma.round"] == "3"
+
+
+def test_resync_is_idempotent(synced):
+    from tasks.lineage import CohortLineageTracker, LineageState
+
+    client, exp, parent, fed, lt, docs, name = synced
+    n_runs = len(client.search_runs([exp]))
+    n_versions = len(client.search_model_versions(f"name = '{name}'"))
+    # a resumed flow run that lost the tracker's state re-syncs round 4
+    fresh = CohortLineageTracker(client, exp, parent, name, state=LineageState())
+    fresh.sync_round(fed, 4)
+    assert len(client.search_runs([exp])) == n_runs
+    assert len(client.search_model_versions(f"name = '{name}'")) == n_versions
+
+
+def test_lineage_artifacts_json_and_png(synced, tmp_path):
+    from tasks.lineage import write_lineage_files
+
+    client, exp, parent, fed, lt, docs, name = synced
+    doc = docs[4]
+    assert doc["schema"] == "clma.lineage/1"
+    kinds = [(e["kind"], e["round"], e["parents"], e["children"]) for e in doc["events"]]
+    assert ("split", 2, [0], [1, 2]) in kinds
+    assert ("merge", 4, [2, 3], [4]) in kinds
+    assert "clients" not in json.dumps(doc)
+    stored = json.loads(Path(client.download_artifacts(parent, "lineage/lineage.json",
+                                                       str(tmp_path))).read_text())
+    assert stored == json.loads(json.dumps(doc))
+    png = Path(client.download_artifacts(parent, "lineage/lineage.png", str(tmp_path)))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+    j, p = write_lineage_files(doc, tmp_path / "out")
+    assert json.loads(j.read_text())["cohorts"][4]["parents"] == [2, 3]
+    assert p.stat().st_size > 5000
