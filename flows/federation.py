@@ -31,6 +31,7 @@ from tasks.budget import (
     report_budget_round,
 )
 from tasks.divergence import DivergenceOutcome, probe_sha256, score_divergence_task
+from tasks.durable import FederationSession
 from tasks.evaluate import finish_evaluation, log_evaluation, private_evaluation
 from tasks.round import (
     aggregate_task,
@@ -43,6 +44,7 @@ from tasks.round import (
     select_clients_task,
     train_clients_task,
 )
+from tasks.scale_out import ClientRunner, open_client_runner
 from tasks.tracking import FederationTracker
 
 __all__ = ["RoundRecord", "federation_flow", "round_flow", "run_federation", "SUMMARY_SCHEMA"]
@@ -312,21 +314,35 @@ def federation_flow(
     parent_mlflow_run_id: str | None = None,
     on_round: Callable[[RoundRecord], None] | None = None,
     on_divergence: Callable[[DivergenceOutcome], None] | None = None,
+    state_dir: str | None = None,
+    max_new_rounds: int | None = None,
+    resume: bool | None = None,
 ) -> dict[str, Any]:
     """A federation of ``config.rounds`` rounds, tracked in one MLflow run.
 
     Writes ``summary.json`` (and the per-round regional reports) to ``out_dir`` when
     given and returns the summary dict.
+
+    Durable state (``tasks/durable.py``, ``clma/state.py``): with ``state_dir`` the
+    federation continues from the round committed there (``resume=True`` requires one,
+    ``False`` refuses one, ``None`` accepts both), re-uses its MLflow run, runs at most
+    ``max_new_rounds`` more rounds (up to ``config.rounds``) and commits the state
+    atomically after each round.
     """
     import torch
 
     torch.set_num_threads(1)  # small models; also makes float results thread-independent
+    session = FederationSession.open(  # durable state (None: off), lineage, dashboards
+        config, state_dir, out_dir,
+        require=None if resume is None else ("existing" if resume else "fresh"))
+    config = session.config  # with a state dir, the ledger lives in it
     fed = build_federation(config)
+    first_round = session.restore(fed) + 1
     budget = open_budget(config) if config.budget.enabled else None
     prefect_id = str(flow_run.id) if flow_run.id else None
     tracker: FederationTracker | None = None
     if config.tracking.enabled:
-        tracker = FederationTracker()
+        tracker = session.make_tracker()  # re-attaches to the federation's run on resume
         tracker.start(
             config.tracking.experiment or config.name,
             run_name=f"{config.name}-seed{config.seed}",
@@ -350,9 +366,13 @@ def federation_flow(
             tracker.set_tags(budget.tags())
     records: list[RoundRecord] = []
     status = "FAILED"
+    runner = ClientRunner()  # client tasks: thread pool, or Dask (tasks/scale_out.py)
     try:
-        for r in range(1, config.rounds + 1):
-            rec = round_flow(fed, r, on_divergence=on_divergence, budget=budget)
+        runner = open_client_runner(config)
+        run_round = runner.apply(round_flow)
+        for r in range(first_round, session.last_round(max_new_rounds) + 1):
+            session.round_started(r)
+            rec = run_round(fed, r, on_divergence=on_divergence, budget=budget)
             records.append(rec)
             if tracker:
                 tracker.log_metrics(_round_metrics(rec), step=r)
@@ -362,17 +382,20 @@ def federation_flow(
                 log_evaluation(rec.evaluation, tracker, out_dir)
             if budget is not None:
                 report_budget_round(budget, tracker, r)
+            session.round_done(fed, rec, tracker, budget)  # lineage, dashboards, commit
             if on_round:
                 on_round(rec)
         status = "FINISHED"
     finally:
+        runner.close()
         if tracker:
             if records:
                 tracker.log_dict(cohort_history_artifact(fed), "cohort_history.json")
             tracker.finish(status)
+        session.close(status)
     summary = build_summary(
         fed,
-        records,
+        session.previous_records(RoundRecord) + records,
         mlflow_run_id=tracker.run_id if tracker else None,
         tracking_uri=tracker.tracking_uri if tracker else None,
         prefect_flow_run_id=prefect_id,
