@@ -1,7 +1,7 @@
 """Dashboards of the published evaluation: one figure per metric, one panel per region.
 
 Input is only what was *published* (the regional report of each evaluation round,
-``EvaluationOutcome.published``): values, published 95 % error bars, participant bands
+``EvaluationOutcome.published``: its ``metrics`` and round-``health`` entries): values, published 95 % error bars, participant bands
 and fired alerts -- never exact counts, never client ids. :class:`DashboardHistory` keeps
 the published series across rounds (JSON round trip, stored in the durable state so a
 resumed federation draws its whole history).
@@ -79,7 +79,7 @@ class DashboardHistory(BaseModel):
             self.drop_round(rnd)
         self.rounds.append(rnd)
         self.rounds.sort()
-        for name, rep in report.get("metrics", {}).items():
+        for name, rep in _published_metrics(report).items():
             regions = dict(rep.get("regions") or {})
             if rep.get("global") is not None:
                 regions[GLOBAL] = rep["global"]
@@ -113,6 +113,13 @@ class DashboardHistory(BaseModel):
         return cls.model_validate(dict(data))
 
 
+def _published_metrics(report: Mapping[str, Any]) -> dict[str, Any]:
+    """Scalar metrics and round-health metrics of a report: name -> {regions, global}."""
+    out = dict(report.get("metrics") or {})
+    out.update(report.get("health") or {})
+    return out
+
+
 def _regions_order(regions: Sequence[str]) -> list[str]:
     return sorted(r for r in regions if r != GLOBAL) + ([GLOBAL] if GLOBAL in regions else [])
 
@@ -135,7 +142,7 @@ def dashboard_figures(history: DashboardHistory) -> dict[str, Any]:
             continue
         ncols = min(3, len(regions))
         nrows = math.ceil(len(regions) / ncols)
-        fig, axes = plt.subplots(nrows, ncols, figsize=(4.2 * ncols, 2.9 * nrows),
+        fig, axes = plt.subplots(nrows, ncols, figsize=(max(6.5, 4.2 * ncols), 3.2 * nrows),
                                  squeeze=False, sharex=True)
         for ax in axes.flat[len(regions):]:
             ax.set_visible(False)
@@ -169,8 +176,8 @@ def dashboard_figures(history: DashboardHistory) -> dict[str, Any]:
         for ax in axes[-1]:
             ax.set_xlabel("round", fontsize=8)
         axes.flat[0].legend(fontsize=6, loc="lower right")
-        fig.suptitle(f"{name}: published value, 95% error band first; contributors band "
-                     "per panel; alerts in red", fontsize=9)
+        fig.suptitle(f"{name}: published value with its 95% error band\n"
+                     "(contributors band per panel; alerts in red)", fontsize=9)
         fig.tight_layout()
         figs[name] = fig
     return figs
@@ -180,7 +187,7 @@ def summary_rows(report: Mapping[str, Any]) -> list[dict[str, Any]]:
     """Table rows of one published report: metric, region, value, error bar, band, alert."""
     alerted = {(a["metric"], a["region"]) for a in report.get("alerts", [])}
     rows: list[dict[str, Any]] = []
-    for name, rep in sorted(report.get("metrics", {}).items()):
+    for name, rep in sorted(_published_metrics(report).items()):
         regions = dict(rep.get("regions") or {})
         if rep.get("global") is not None:
             regions[GLOBAL] = rep["global"]
