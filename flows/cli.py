@@ -48,6 +48,16 @@ def build_parser() -> argparse.ArgumentParser:
                      help="output folder for summary.json (default: runs/latest)")
     run.add_argument("--no-tracking", action="store_true", help="do not log to MLflow")
     run.add_argument("--quiet", action="store_true", help="no progress display or table")
+    run.add_argument("--resume", type=Path, default=None, metavar="STATE_DIR",
+                     help="continue the federation whose durable state is in STATE_DIR (its "
+                     "stored config unless --config is given; --rounds may raise the total)")
+    run.add_argument("--state-dir", type=Path, default=None, metavar="DIR",
+                     help="keep durable state in DIR (a new federation; continue it later with "
+                     "--resume DIR)")
+
+    from flows.serve_cli import add_serve_parser
+
+    add_serve_parser(sub)  # clma serve: the federation as a scheduled Prefect deployment
 
     appr = sub.add_parser(
         "approve", help="answer a paused privacy-budget borrow request (same as the UI form)",
@@ -80,7 +90,12 @@ def _load(args: argparse.Namespace):
             raise ConfigError(f"--{name}: must be a positive integer")
     if args.seed is not None and not 0 <= args.seed < 2**32:
         raise ConfigError("--seed: must be in [0, 2**32)")
-    cfg = load_config(args.config)
+    if getattr(args, "resume", None) is not None and args.config is None:
+        from tasks.durable import stored_config
+
+        cfg = stored_config(args.resume) or load_config(None)  # the federation's own config
+    else:
+        cfg = load_config(args.config)
     cfg = cfg.with_overrides(rounds=args.rounds, clients=args.clients, seed=args.seed)
     if args.no_tracking:
         cfg = cfg.model_copy(update={"tracking": cfg.tracking.model_copy(update={"enabled": False})})
@@ -97,12 +112,33 @@ def _fmt_regional(rec_regional: dict[str, Any] | None) -> str:
     return ", ".join(parts) or "all suppressed"
 
 
+def _check_state_dir(args: argparse.Namespace) -> int:
+    """Rounds already committed in --resume STATE_DIR (0 without one). Raises StateError
+    when --resume names no federation or --state-dir already holds one."""
+    from clma.state import StateError
+    from tasks.durable import state_summary
+
+    if args.resume is not None and args.state_dir is not None:
+        raise StateError("--resume and --state-dir: give one (--resume continues a federation)")
+    if args.resume is not None:
+        done = state_summary(args.resume)["round"]
+        if done is None:
+            raise StateError(f"--resume {str(args.resume)!r}: no committed federation state there")
+        return int(done)
+    if args.state_dir is not None and state_summary(args.state_dir)["round"] is not None:
+        raise StateError(f"--state-dir {str(args.state_dir)!r}: already holds a federation; "
+                         "continue it with --resume")
+    return 0
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     from clma.config import ConfigError
+    from clma.state import StateError
 
     try:
         cfg = _load(args)
-    except ConfigError as exc:
+        done = _check_state_dir(args)
+    except (ConfigError, StateError) as exc:
         print(f"clma: {exc}", file=sys.stderr)
         return 2
     # Data-dependent checks (dataset present, enough samples per client) also fail fast.
@@ -140,8 +176,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
         )
 
     with progress:
-        task_id = progress.add_task("starting", total=cfg.rounds)
-        summary = federation_flow(cfg, out_dir=str(args.out), on_round=on_round)
+        task_id = progress.add_task("starting", total=max(0, cfg.rounds - done))
+        state_dir = args.resume if args.resume is not None else args.state_dir
+        summary = federation_flow(
+            cfg, out_dir=str(args.out), on_round=on_round,
+            state_dir=None if state_dir is None else str(state_dir),
+            resume=None if state_dir is None else args.resume is not None,
+        )
 
     if not args.quiet:
         table = Table(title=f"{cfg.name} (seed {cfg.seed})")
@@ -171,6 +212,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "run":
         return _cmd_run(args)
+    if args.command == "serve":
+        _quiet_prefect_defaults()
+        from flows.serve_cli import cli_serve
+
+        return cli_serve(args)
     if args.command == "approve":
         _quiet_prefect_defaults()
         from flows.approval import ApprovalError, approve_run

@@ -49,7 +49,8 @@ from tasks.dashboards import DashboardHistory, publish_dashboards
 from tasks.lineage import CohortLineageTracker, LineageState, registered_model_name
 from tasks.tracking import FederationTracker
 
-__all__ = ["DurableTracker", "FederationSession", "record_to_dict"]
+__all__ = ["DurableTracker", "FederationSession", "record_to_dict", "state_summary",
+           "stored_config"]
 
 FAILPOINT_ENV = "CLMA_FAILPOINT"
 
@@ -147,6 +148,7 @@ class FederationSession:
 
     config: FederationConfig
     store: StateStore | None
+    original_config: FederationConfig | None = None
     out_dir: str | None = None
     committed_round: int = 0
     mlflow: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -187,10 +189,12 @@ class FederationSession:
             if require == "existing" and snap is None:
                 raise StateError(f"--resume {str(store.root)!r}: no committed federation "
                                  "state there")
+            original = config
             if config.budget.state_dir is None:
                 config = config.model_copy(update={"budget": config.budget.model_copy(
                     update={"state_dir": str(store.ledger_dir)})})
-            s = cls(config=config, store=store, out_dir=out_dir, _snapshot=snap, _lock=lock)
+            s = cls(config=config, store=store, original_config=original, out_dir=out_dir,
+                    _snapshot=snap, _lock=lock)
             if snap is not None:
                 s.committed_round = snap.round
                 s.mlflow = snap.json("mlflow.json")
@@ -269,6 +273,7 @@ class FederationSession:
         ev = getattr(fed, "evaluation_state", None)
         files["evaluation.json"] = _dumps(ev.to_dict() if ev is not None else None)
         files["mlflow.json"] = _dumps(self.mlflow)
+        files["config.json"] = _dumps(self.original_config.model_dump(mode="json"))
         records = [r for r in self.stored_records if r["round"] <= round_number]
         seen = {r["round"] for r in records}
         records += [r for r in self._new_records if r["round"] not in seen]
@@ -305,6 +310,16 @@ def _failpoint(name: str, round_number: int) -> None:
     spec = os.environ.get(FAILPOINT_ENV, "")
     if spec and spec == f"{name}:{round_number}":
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def stored_config(state_dir: str | Path) -> FederationConfig | None:
+    """The configuration a federation's state was committed with (None: no state)."""
+    from clma.config import validate_config
+
+    snap = StateStore(state_dir).load()
+    if snap is None or "config.json" not in snap.files:
+        return None
+    return validate_config(snap.json("config.json"))
 
 
 def state_summary(state_dir: str | Path) -> dict[str, Any]:
