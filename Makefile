@@ -18,7 +18,14 @@ $(VENV)/.installed-%: pyproject.toml | $(VENV)/bin/python
 run: $(VENV)/.installed-dev
 	$(VENV)/bin/clma run $(ARGS)
 
-test: $(VENV)/.installed-dev
+# make test: extras dev + dask + flower. flwr's own pins conflict with prefect/the project's
+# (see requirements/flower-no-deps.txt), so Flower is added without its pins after the rest.
+$(VENV)/.installed-test: pyproject.toml requirements/flower-no-deps.txt | $(VENV)/bin/python
+	$(PY) -m pip install -q -e '.[dev,dask]'
+	$(PY) -m pip install -q --no-deps -r requirements/flower-no-deps.txt
+	touch $@
+
+test: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
 
