@@ -15,6 +15,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.clientapp import ClientApp
 
 from clma.flower import ArrayLayout, load_detector_state, save_detector_state, train_reply_content
+from clma.flower.private import register_private_evaluation
 from clma.sim.federation import evaluate_clients, train_clients
 
 try:
@@ -49,16 +50,26 @@ def make_client_app(config_path: str | None = None) -> ClientApp:
                                       res.update.n_samples, res.update.drift_flag)
         return Message(content=content, reply_to=msg)
 
-    @app.evaluate()
-    def evaluate(msg: Message, context: Context) -> Message:
+    def local_metrics(msg: Message, context: Context):
+        """Accuracy and mean cross-entropy (clipped to loss_max) on the local eval split."""
         cfg, pid, rnd, _, vector = _setup(msg, context)
         client = client_at(cfg, pid, rnd, None)
         fed = federation_at(cfg, rnd)
-        ev = evaluate_clients([client], {pid: vector}, {pid: 0}, fed.spec,
-                              cfg.evaluation.loss_max)[0]
+        return evaluate_clients([client], {pid: vector}, {pid: 0}, fed.spec,
+                                cfg.evaluation.loss_max)[0]
+
+    @app.evaluate()
+    def evaluate(msg: Message, context: Context) -> Message:  # plain (non-private) path
+        ev = local_metrics(msg, context)
         metrics = MetricRecord({"num-examples": ev.n_eval, "accuracy": ev.accuracy,
                                 "loss": ev.loss})
         return Message(content=RecordDict({"metrics": metrics}), reply_to=msg)
+
+    def private_metrics(msg: Message, context: Context) -> dict[str, float]:
+        ev = local_metrics(msg, context)
+        return {"accuracy": ev.accuracy, "loss": ev.loss}
+
+    register_private_evaluation(app, private_metrics)  # evaluate.private_* steps
 
     @app.query()
     def query(msg: Message, context: Context) -> Message:

@@ -4,7 +4,9 @@ The federation config (``clma/configs/clma_vs_fedavg.toml`` unless the run confi
 ``config-path`` names another) gives the seed, rounds, clients, model and cohorter; the
 strategy is :class:`clma.flower.CLMA` when ``cohort.enabled`` (else Flower's ``FedAvg``,
 the baseline), with every node sampled every round (``training.participation`` must be
-1.0). Nodes are first asked their partition id (one ``query`` round-trip), which becomes
+1.0), wrapped in :class:`clma.flower.private.PrivateEvaluation` (accuracy and clipped
+loss, secure-aggregated through Flower messages, Laplace noise once on each sum;
+run config ``private-evaluation = "false"`` turns it off). Nodes are first asked their partition id (one ``query`` round-trip), which becomes
 the client id in the cohort registry, so cohort ids and members compare one-to-one with
 the Prefect flow's on the same config.
 """
@@ -21,6 +23,8 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg
 
 from clma.flower import CLMA
+from clma.flower.private import PrivateEvaluation
+from clma.release import MetricSpec
 
 try:
     from .task import config_from, federation_at, make_cohorter
@@ -70,6 +74,15 @@ def make_server_app(config_path: str | None = None) -> ServerApp:
                             client_id_of=to_client.__getitem__, **common)
         else:
             strategy = FedAvg(**common)
+        if str(context.run_config.get("private-evaluation", "true")).lower() == "true":
+            # on-device clipped metrics, secure sum over Flower messages, noise once
+            strategy = PrivateEvaluation(
+                strategy,
+                metrics=[MetricSpec("accuracy", 0.0, 1.0),
+                         MetricSpec("loss", 0.0, cfg.evaluation.loss_max)],
+                epsilon=cfg.evaluation.epsilon, min_cohort=max(cfg.evaluation.min_cohort, 5),
+                secagg_threshold=cfg.evaluation.secagg_threshold,
+                seed=cfg.seed if cfg.evaluation.noise_seeded else None)
         initial = ArrayRecord(fed.spec.build(seed=cfg.seed).state_dict())
         result = strategy.start(grid=grid, initial_arrays=initial, num_rounds=cfg.rounds)
         history = getattr(strategy, "cohort_history", {})

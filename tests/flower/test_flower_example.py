@@ -103,3 +103,36 @@ def test_flower_result_carries_cohort_metrics_and_the_largest_cohort_model(flowe
     np.testing.assert_array_equal(largest, strategy.cohort_models[best])
     acc = result.evaluate_metrics_clientapp[3]["accuracy"]
     assert 0.0 <= acc <= 1.0
+
+
+def test_private_evaluation_releases_the_secure_sum_noised_once(flower_run, prefect_run):
+    """The released accuracy/loss are aggregate_sum(exact secure sum of the clients'
+    clipped, quantised metrics) with the recorded seed: the secure aggregation carried in
+    Flower messages recovered the exact sum, and noise was added once, on the sum."""
+    from clma.privacy.secagg import FixedPointQuantiser
+    from clma.release import FederatedMetricEnvelope, MetricSpec, aggregate_sum
+    from clma.sim.federation import evaluate_clients
+
+    strategy, result = flower_run["strategy"], flower_run["result"]
+    cfg = load_config(TINY)
+    fed = prefect_run  # drifted to round 3, its cohort models == the Flower ones
+    evs = evaluate_clients([fed.clients[c] for c in fed.client_ids],
+                           fed.models_for(fed.client_ids),
+                           {c: fed.registry.cohort_of(c) for c in fed.client_ids}, fed.spec,
+                           cfg.evaluation.loss_max)
+    specs = [MetricSpec("accuracy", 0.0, 1.0), MetricSpec("loss", 0.0, cfg.evaluation.loss_max)]
+    quant = FixedPointQuantiser([0.0, 0.0], [1.0, cfg.evaluation.loss_max])
+    q_sum = sum(quant.quantise([e.accuracy, e.loss]) for e in evs)
+    sums = quant.dequantise_sum(q_sum, len(evs))
+    assert strategy.protocol[3] == {"advertised": 6, "survivors": 6, "dropped": 0,
+                                    "aborted": None}
+    for j, spec in enumerate(specs):
+        expected = aggregate_sum(float(sums[j]), 6, spec, epsilon=cfg.evaluation.epsilon,
+                                 min_cohort=5, seed=np.random.default_rng([cfg.seed, 3, j]))
+        got = strategy.releases[3][spec.name]
+        assert got.value == expected.value and got.noise_scale == spec.sensitivity / cfg.evaluation.epsilon
+        published = result.evaluate_metrics_clientapp[3][spec.name]
+        assert published == float(np.clip(expected.value, spec.clip_low, spec.clip_high))
+        env = FederatedMetricEnvelope.from_json(strategy.envelopes[3][spec.name])
+        assert env.aggregate_value == pytest.approx(published)
+        assert "participant_count" not in env.to_dict()
