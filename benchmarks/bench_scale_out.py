@@ -1,0 +1,301 @@
+"""One CLMA round with many simulated clients on three engines (issue 8, benchmark).
+
+Same config, model and data (digits, ``build_federation``; training and evaluation are
+``clma.sim.federation.train_clients`` / ``evaluate_clients`` on every engine):
+
+* ``prefect-threads``: the Prefect round flow on its default ``ThreadPoolTaskRunner``;
+* ``prefect-dask``: the same flow with the client tasks on a local Dask cluster of 2 worker
+  processes x 1 thread (``orchestration.dask_local_workers = 2``);
+* ``flower-ray``: the ``clma.flower.CLMA`` strategy in Flower's simulation engine (Ray,
+  2 CPUs, 1 CPU per ClientApp), one SuperNode per client.
+
+Per engine: the round's wall time (Prefect: the ``round_flow`` call; Flower: the
+``strategy.start`` call inside the ServerApp, i.e. without Ray start-up), ``client`` =
+time spent inside the client functions (``train_clients`` + ``evaluate_clients``, timed
+where they run: threads, Dask workers, Ray actors; summed over clients), and the
+orchestration overhead ``round - client / slots`` with ``slots = 2`` (2 cores, 2 workers,
+2 Ray CPUs: the client work's best case on 2 parallel slots). Engine start-up (Prefect API,
+Dask cluster, Ray) is printed separately. Divergence scoring and the private release are
+off (``divergence.enabled = false``, ``evaluation.every`` > rounds) so the three engines do
+the same work: train, FedAvg/cohorting, evaluate.
+
+    .venv/bin/python benchmarks/bench_scale_out.py            # 200 clients
+    .venv/bin/python benchmarks/bench_scale_out.py --quick    # 20 clients
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "flower_digits"
+SLOTS = 2
+
+
+def _env() -> None:
+    os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="bench-prefect-"))
+    for k, v in {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_LOGGING_LEVEL": "ERROR",
+                 "PREFECT_SERVER_LOGGING_LEVEL": "CRITICAL", "DO_NOT_TRACK": "true"}.items():
+        os.environ.setdefault(k, v)
+    sys.path.insert(0, str(EXAMPLE))
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(EXAMPLE), str(ROOT), os.environ.get("PYTHONPATH")) if p)
+
+
+def bench_config(n_clients: int, seed: int, path: Path):
+    from clma.config import load_config
+
+    path.write_text(f"""
+name = "bench-scale-out"
+seed = {seed}
+rounds = 1
+clients = {n_clients}
+[data]
+probe_size = 32
+[evaluation]
+every = 2
+[divergence]
+enabled = false
+[tracking]
+enabled = false
+[budget]
+enabled = false
+[orchestration]
+chunk_size = 8
+""")
+    return load_config(path)
+
+
+# ---------------------------------------------------------------- timing wrappers
+def _times() -> list[float]:
+    """Per-process list of client-function durations, kept on ``tasks.round`` (a module
+    every engine's process imports; functions shipped by value share no globals)."""
+    import tasks.round as tr
+
+    return tr.__dict__.setdefault("_bench_client_seconds", [])
+
+
+def _timed(fn):
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _times().append(time.perf_counter() - t0)
+    wrapper.__wrapped__ = fn
+    return wrapper
+
+
+def _patch_tasks() -> None:
+    import tasks.round as tr
+
+    if not hasattr(tr.train_clients, "__wrapped__"):
+        tr.train_clients = _timed(tr.train_clients)
+        tr.evaluate_clients = _timed(tr.evaluate_clients)
+
+
+class _TimingPlugin:
+    """Dask worker plugin: time the client functions inside the worker process."""
+
+    name = "bench-client-timing"
+
+    def setup(self, worker):
+        _patch_tasks()
+
+
+def _worker_times() -> float:
+    return float(sum(_times()))
+
+
+def _worker_reset() -> None:
+    _times().clear()
+
+
+# ---------------------------------------------------------------- engines
+def run_prefect(cfg, dask_workers: int | None) -> dict[str, float]:
+    from clma.sim.federation import build_federation
+    from flows.federation import round_flow
+    from tasks.scale_out import open_client_runner
+
+    t0 = time.perf_counter()
+    if dask_workers:
+        cfg = cfg.model_copy(update={"orchestration": cfg.orchestration.model_copy(
+            update={"dask_local_workers": dask_workers})})
+    runner = open_client_runner(cfg)
+    if runner._client is not None:
+        from distributed.diagnostics.plugin import WorkerPlugin
+
+        class Plugin(_TimingPlugin, WorkerPlugin):
+            pass
+
+        runner._client.register_plugin(Plugin())
+        runner._client.run(_worker_reset)
+    startup = time.perf_counter() - t0
+    fed = build_federation(cfg)
+    _times().clear()
+    flow = runner.apply(round_flow)
+    t0 = time.perf_counter()
+    flow(fed, 1)
+    wall = time.perf_counter() - t0
+    if runner._client is not None:
+        client = sum(runner._client.run(_worker_times).values())
+    else:
+        client = float(sum(_times()))
+    runner.close()
+    return {"startup": startup, "round": wall, "client": client}
+
+
+def run_flower(cfg, cfg_path: Path) -> dict[str, float]:
+    import ray
+    import server_app
+    import task
+    from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+    from flwr.clientapp import ClientApp
+    from flwr.serverapp import Grid, ServerApp
+    from flwr.simulation import run_simulation
+
+    from clma.flower import (
+        CLMA,
+        ArrayLayout,
+        load_detector_state,
+        save_detector_state,
+        train_reply_content,
+    )
+    from clma.sim.federation import evaluate_clients, train_clients
+
+    path = str(cfg_path)
+    capp = ClientApp()
+
+    @capp.train()
+    def train(msg: Message, context: Context) -> Message:
+        import torch
+
+        torch.set_num_threads(1)
+        c = task.config_from({}, path)
+        pid = int(context.node_config["partition-id"])
+        rnd = int(msg.content["config"]["server-round"])
+        layout = ArrayLayout.of(msg.content["arrays"])
+        vec = layout.to_vector(msg.content["arrays"])
+        client = task.client_at(c, pid, rnd, load_detector_state(context))
+        fed = task.federation_at(c, rnd)
+        t0 = time.perf_counter()
+        res = train_clients([client], {pid: vec}, {pid: int(msg.content["config"]["cohort-id"])},
+                            fed.spec, c.training, c.drift.gamma, c.seed, rnd)[0]
+        seconds = time.perf_counter() - t0
+        save_detector_state(context, res.detector_state)
+        return Message(content=train_reply_content(
+            layout.to_record(res.update.params), res.update.n_samples, res.update.drift_flag,
+            extra_metrics={"client-seconds": seconds}), reply_to=msg)
+
+    @capp.evaluate()
+    def evaluate(msg: Message, context: Context) -> Message:
+        c = task.config_from({}, path)
+        pid = int(context.node_config["partition-id"])
+        rnd = int(msg.content["config"]["server-round"])
+        vec = ArrayLayout.of(msg.content["arrays"]).to_vector(msg.content["arrays"])
+        client = task.client_at(c, pid, rnd, None)
+        fed = task.federation_at(c, rnd)
+        t0 = time.perf_counter()
+        ev = evaluate_clients([client], {pid: vec}, {pid: 0}, fed.spec, c.evaluation.loss_max)[0]
+        seconds = time.perf_counter() - t0
+        return Message(content=RecordDict({"metrics": MetricRecord(
+            {"num-examples": ev.n_eval, "accuracy": ev.accuracy, "client-seconds": seconds})}),
+            reply_to=msg)
+
+    @capp.query()
+    def query(msg: Message, context: Context) -> Message:
+        from flwr.app import ConfigRecord
+
+        return Message(content=RecordDict({"info": ConfigRecord(
+            {"partition-id": int(context.node_config["partition-id"])})}), reply_to=msg)
+
+    def summed(records: list[RecordDict], weight_key: str) -> MetricRecord:
+        ms = [next(iter(r.metric_records.values())) for r in records]
+        return MetricRecord({"client-seconds": float(sum(m["client-seconds"] for m in ms)),
+                             "num-examples": int(sum(m["num-examples"] for m in ms))})
+
+    out: dict[str, float] = {}
+    sapp = ServerApp()
+
+    @sapp.main()
+    def main(grid: Grid, context: Context) -> None:
+        fed = task.federation_at(cfg, 0)
+        to_client = server_app.partition_ids(grid, cfg.clients)
+        n = cfg.clients
+        strategy = CLMA(cohorter=task.make_cohorter(cfg), client_id_of=to_client.__getitem__,
+                        fraction_train=1.0, fraction_evaluate=1.0, min_train_nodes=n,
+                        min_evaluate_nodes=n, min_available_nodes=n,
+                        train_metrics_aggr_fn=summed, evaluate_metrics_aggr_fn=summed)
+        t0 = time.perf_counter()
+        result = strategy.start(grid=grid, initial_arrays=ArrayRecord(
+            fed.spec.build(seed=cfg.seed).state_dict()), num_rounds=1)
+        out["round"] = time.perf_counter() - t0
+        out["client"] = (result.train_metrics_clientapp[1]["client-seconds"]
+                         + result.evaluate_metrics_clientapp[1]["client-seconds"])
+
+    t0 = time.perf_counter()
+    try:
+        run_simulation(server_app=sapp, client_app=capp, num_supernodes=cfg.clients,
+                       backend_config={"client_resources": {"num_cpus": 1},
+                                       "init_args": {"num_cpus": SLOTS,
+                                                     "include_dashboard": False}})
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+    out["startup"] = time.perf_counter() - t0 - out.get("round", 0.0)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--clients", type=int, default=200)
+    ap.add_argument("--quick", action="store_true", help="20 clients")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--engines", default="prefect-threads,prefect-dask,flower-ray")
+    args = ap.parse_args(argv)
+    n = 20 if args.quick else args.clients
+    _env()
+    import logging
+
+    import torch
+    from prefect.testing.utilities import prefect_test_harness
+
+    torch.set_num_threads(1)
+    _patch_tasks()
+    tmp = Path(tempfile.mkdtemp(prefix="bench-scale-out-"))
+    cfg = bench_config(n, args.seed, tmp / "bench.toml")
+    rows: dict[str, dict[str, float]] = {}
+    engines = args.engines.split(",")
+    logging.getLogger("flwr").setLevel(logging.WARNING)
+    if any(e.startswith("prefect") for e in engines):
+        t0 = time.perf_counter()
+        with prefect_test_harness(server_startup_timeout=180):
+            api = time.perf_counter() - t0
+            if "prefect-threads" in engines:
+                rows["prefect-threads"] = run_prefect(cfg, None)
+                rows["prefect-threads"]["startup"] += api
+            if "prefect-dask" in engines:
+                rows["prefect-dask"] = run_prefect(cfg, 2)
+                rows["prefect-dask"]["startup"] += api
+    if "flower-ray" in engines:
+        rows["flower-ray"] = run_flower(cfg, tmp / "bench.toml")
+    print(f"\nOne round, {n} clients (digits, MLP {cfg.model.hidden}, "
+          f"{cfg.training.local_epochs} local epochs), seed {args.seed}; slots = {SLOTS}")
+    print(f"{'engine':<17}{'startup s':>10}{'round s':>10}{'client s':>10}"
+          f"{'overhead s':>12}{'overhead %':>11}")
+    for name, r in rows.items():
+        over = r["round"] - r["client"] / SLOTS
+        print(f"{name:<17}{r['startup']:>10.2f}{r['round']:>10.2f}{r['client']:>10.2f}"
+              f"{over:>12.2f}{100 * over / r['round']:>10.1f}%")
+    print("client = time inside train_clients + evaluate_clients (summed over clients); "
+          "overhead = round - client / slots")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
