@@ -12,8 +12,9 @@ Same config, model and data (digits, ``build_federation``; training and evaluati
 Per engine: the round's wall time (Prefect: the ``round_flow`` call; Flower: the
 ``strategy.start`` call inside the ServerApp, i.e. without Ray start-up), ``client`` =
 time spent inside the client functions (``train_clients`` + ``evaluate_clients``, timed
-where they run: threads, Dask workers, Ray actors; summed over clients), and the
-orchestration overhead ``round - client / slots`` with ``slots = 2`` (2 cores, 2 workers,
+where they run: threads, Dask workers, Ray actors; summed over calls) as wall time and as
+the calling thread's CPU time (``time.thread_time``; torch runs single-threaded), and the
+orchestration overhead ``round - client_cpu / slots`` with ``slots = 2`` (2 cores, 2 workers,
 2 Ray CPUs: the client work's best case on 2 parallel slots). Engine start-up (Prefect API,
 Dask cluster, Ray) is printed separately. Divergence scoring and the private release are
 off (``divergence.enabled = false``, ``evaluation.every`` > rounds) so the three engines do
@@ -82,11 +83,11 @@ def _times() -> list[float]:
 
 def _timed(fn):
     def wrapper(*args, **kwargs):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         try:
             return fn(*args, **kwargs)
         finally:
-            _times().append(time.perf_counter() - t0)
+            _times().append((time.perf_counter() - t0, time.thread_time() - c0))
     wrapper.__wrapped__ = fn
     return wrapper
 
@@ -108,8 +109,9 @@ class _TimingPlugin:
         _patch_tasks()
 
 
-def _worker_times() -> float:
-    return float(sum(_times()))
+def _worker_times() -> tuple[float, float]:
+    t = _times()
+    return float(sum(w for w, _ in t)), float(sum(c for _, c in t))
 
 
 def _worker_reset() -> None:
@@ -143,11 +145,12 @@ def run_prefect(cfg, dask_workers: int | None) -> dict[str, float]:
     flow(fed, 1)
     wall = time.perf_counter() - t0
     if runner._client is not None:
-        client = sum(runner._client.run(_worker_times).values())
+        per_worker = runner._client.run(_worker_times).values()
+        client, cpu = sum(w for w, _ in per_worker), sum(c for _, c in per_worker)
     else:
-        client = float(sum(_times()))
+        client, cpu = _worker_times()
     runner.close()
-    return {"startup": startup, "round": wall, "client": client}
+    return {"startup": startup, "round": wall, "client": client, "cpu": cpu}
 
 
 def run_flower(cfg, cfg_path: Path) -> dict[str, float]:
@@ -183,14 +186,14 @@ def run_flower(cfg, cfg_path: Path) -> dict[str, float]:
         vec = layout.to_vector(msg.content["arrays"])
         client = task.client_at(c, pid, rnd, load_detector_state(context))
         fed = task.federation_at(c, rnd)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         res = train_clients([client], {pid: vec}, {pid: int(msg.content["config"]["cohort-id"])},
                             fed.spec, c.training, c.drift.gamma, c.seed, rnd)[0]
-        seconds = time.perf_counter() - t0
+        seconds, cpu = time.perf_counter() - t0, time.thread_time() - c0
         save_detector_state(context, res.detector_state)
         return Message(content=train_reply_content(
             layout.to_record(res.update.params), res.update.n_samples, res.update.drift_flag,
-            extra_metrics={"client-seconds": seconds}), reply_to=msg)
+            extra_metrics={"client-seconds": seconds, "client-cpu": cpu}), reply_to=msg)
 
     @capp.evaluate()
     def evaluate(msg: Message, context: Context) -> Message:
@@ -200,11 +203,12 @@ def run_flower(cfg, cfg_path: Path) -> dict[str, float]:
         vec = ArrayLayout.of(msg.content["arrays"]).to_vector(msg.content["arrays"])
         client = task.client_at(c, pid, rnd, None)
         fed = task.federation_at(c, rnd)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         ev = evaluate_clients([client], {pid: vec}, {pid: 0}, fed.spec, c.evaluation.loss_max)[0]
-        seconds = time.perf_counter() - t0
+        seconds, cpu = time.perf_counter() - t0, time.thread_time() - c0
         return Message(content=RecordDict({"metrics": MetricRecord(
-            {"num-examples": ev.n_eval, "accuracy": ev.accuracy, "client-seconds": seconds})}),
+            {"num-examples": ev.n_eval, "accuracy": ev.accuracy, "client-seconds": seconds,
+             "client-cpu": cpu})}),
             reply_to=msg)
 
     @capp.query()
@@ -217,6 +221,7 @@ def run_flower(cfg, cfg_path: Path) -> dict[str, float]:
     def summed(records: list[RecordDict], weight_key: str) -> MetricRecord:
         ms = [next(iter(r.metric_records.values())) for r in records]
         return MetricRecord({"client-seconds": float(sum(m["client-seconds"] for m in ms)),
+                             "client-cpu": float(sum(m["client-cpu"] for m in ms)),
                              "num-examples": int(sum(m["num-examples"] for m in ms))})
 
     out: dict[str, float] = {}
@@ -235,8 +240,9 @@ def run_flower(cfg, cfg_path: Path) -> dict[str, float]:
         result = strategy.start(grid=grid, initial_arrays=ArrayRecord(
             fed.spec.build(seed=cfg.seed).state_dict()), num_rounds=1)
         out["round"] = time.perf_counter() - t0
-        out["client"] = (result.train_metrics_clientapp[1]["client-seconds"]
-                         + result.evaluate_metrics_clientapp[1]["client-seconds"])
+        tr, ev = result.train_metrics_clientapp[1], result.evaluate_metrics_clientapp[1]
+        out["client"] = tr["client-seconds"] + ev["client-seconds"]
+        out["cpu"] = tr["client-cpu"] + ev["client-cpu"]
 
     t0 = time.perf_counter()
     try:
@@ -286,14 +292,15 @@ def main(argv: list[str] | None = None) -> int:
         rows["flower-ray"] = run_flower(cfg, tmp / "bench.toml")
     print(f"\nOne round, {n} clients (digits, MLP {cfg.model.hidden}, "
           f"{cfg.training.local_epochs} local epochs), seed {args.seed}; slots = {SLOTS}")
-    print(f"{'engine':<17}{'startup s':>10}{'round s':>10}{'client s':>10}"
-          f"{'overhead s':>12}{'overhead %':>11}")
+    print(f"{'engine':<17}{'startup s':>10}{'round s':>10}{'client wall s':>14}"
+          f"{'client cpu s':>13}{'overhead s':>12}{'overhead %':>11}")
     for name, r in rows.items():
-        over = r["round"] - r["client"] / SLOTS
-        print(f"{name:<17}{r['startup']:>10.2f}{r['round']:>10.2f}{r['client']:>10.2f}"
-              f"{over:>12.2f}{100 * over / r['round']:>10.1f}%")
-    print("client = time inside train_clients + evaluate_clients (summed over clients); "
-          "overhead = round - client / slots")
+        over = r["round"] - r["cpu"] / SLOTS
+        print(f"{name:<17}{r['startup']:>10.2f}{r['round']:>10.2f}{r['client']:>14.2f}"
+              f"{r['cpu']:>13.2f}{over:>12.2f}{100 * over / r['round']:>10.1f}%")
+    print("client wall/cpu = wall / thread CPU time inside train_clients + evaluate_clients, "
+          "summed over calls (wall includes waiting for the CPU or the GIL: threads inflate "
+          "it); overhead = round - client cpu / slots")
     return 0
 
 
