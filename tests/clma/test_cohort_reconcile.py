@@ -68,7 +68,7 @@ def test_reconciliation_resolution_and_validation():
     assert paper.effective_reconcile_similarity is None  # published form untouched
     assert CLMACohorter(direction_rule="sign").effective_reconcile_similarity is None
     assert CLMACohorter(reconcile_similarity=0.8).effective_reconcile_similarity == 0.8
-    for bad in (-1.0, 1.5, float("nan"), "always"):
+    for bad in (0.0, -0.5, 1.5, float("nan"), "always"):
         with pytest.raises(ValueError, match="reconcile_similarity"):
             CLMACohorter(reconcile_similarity=bad)
 
@@ -85,3 +85,19 @@ def test_displacement_gram_equals_literal_formula():
     assert got.dtype == np.float64 and np.array_equal(got, got.T)
     with pytest.raises(ValueError, match="n_params"):
         displacement_gram(mat, ref[:-1])
+
+
+def test_noisy_singleton_of_a_family_rejoins_it():
+    """A family of 15 with noisy clients (pair cosine ~0.44, as with 18 samples per
+    client on the digits) where one client alone passes the direction test (seed 5,
+    mean shift 0.0008, found by scanning): it must not become a cohort of its own."""
+    rng = np.random.default_rng(5)
+    ref = rng.normal(0, 0.05, P).astype(np.float32)
+    d = np.full(P, 0.0008) + rng.normal(0, 0.003, P)
+    mat = np.stack([ref + d + rng.normal(0, 0.0035, P) for _ in range(15)]).astype(np.float32)
+    ids = list(range(15))
+    off = CLMACohorter(reconcile_similarity=None).cohort(ids, mat, ref)
+    dirs = sorted(off.directions.values())
+    assert dirs.count("negative") == 1 and dirs.count("undirected") == 14  # precondition
+    assert len(set(off.assignments.values())) == 2
+    assert set(CLMACohorter().cohort(ids, mat, ref).assignments.values()) == {0}
