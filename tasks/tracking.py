@@ -22,7 +22,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-__all__ = ["default_tracking_uri", "FederationTracker"]
+__all__ = ["default_tracking_uri", "metric_key", "FederationTracker"]
 
 DEFAULT_STORE = Path("mlflow") / "store"
 
@@ -42,6 +42,15 @@ def _artifact_location(uri: str) -> str | None:
     if uri.startswith("sqlite:///") and not os.environ.get("MLFLOW_TRACKING_URI"):
         return (Path(uri[len("sqlite:///") :]).parent / "artifacts").resolve().as_uri()
     return None
+
+
+_KEY_OK = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-. :/")
+
+
+def metric_key(name: str) -> str:
+    """An MLflow-valid metric name: characters MLflow rejects (e.g. the '+' of a merged
+    monitoring region 'islands+west') become '_'."""
+    return "".join(ch if ch in _KEY_OK else "_" for ch in name)
 
 
 class FederationTracker:
@@ -102,7 +111,7 @@ class FederationTracker:
 
         ts = int(time.time() * 1000)
         items = [
-            Metric(k, float(v), ts, step)
+            Metric(metric_key(k), float(v), ts, step)
             for k, v in sorted(metrics.items())
             if v is not None and math.isfinite(float(v))
         ]

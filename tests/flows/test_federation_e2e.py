@@ -122,3 +122,13 @@ def test_same_seed_same_cohorts_and_numbers(prefect_harness):
     strip = lambda s: [{k: v for k, v in r.items() if k != "seconds"} for r in s["rounds"]]  # noqa: E731
     assert strip(a) == strip(b)
     assert a["ground_truth"] == b["ground_truth"]
+
+
+def test_metric_key_makes_merged_region_names_valid_for_mlflow():
+    from mlflow.utils.validation import _validate_metric_name
+
+    from tasks.tracking import metric_key
+
+    assert metric_key("regional.islands+west.accuracy") == "regional.islands_west.accuracy"
+    assert metric_key("eval.global.accuracy.error_bar") == "eval.global.accuracy.error_bar"
+    _validate_metric_name(metric_key("regional.a+b(c)*d.x"))  # raises if still invalid
