@@ -164,8 +164,12 @@ def ledger_round(round_number: int) -> int:
 
 def regional_on_cadence(policy: PrivacyPolicy, round_number: int) -> bool:
     """Whether the policy allows regional releases in this flow round: every
-    ``regional_cadence_rounds`` rounds, starting with the first round of the run."""
-    return ledger_round(round_number) % policy.evaluation.regional_cadence_rounds == 0
+    ``regional_cadence_rounds`` rounds, i.e. flow rounds k, 2k, 3k, ... -- the same
+    convention as the config's ``evaluation.every``, so that ``every = k`` meets the
+    policy's cadence (counting from the ledger's 0-based rounds instead made ``every = 2``
+    fall on off-cadence rounds only)."""
+    ledger_round(round_number)  # validates the flow round
+    return round_number % policy.evaluation.regional_cadence_rounds == 0
 
 
 # --------------------------------------------------------------------------- release plan

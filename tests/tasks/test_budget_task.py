@@ -168,8 +168,8 @@ def test_regional_releases_follow_the_policy_cadence(tmp_path, prefect_harness, 
 
     fed = make_fed(tmp_path, write_policy(tmp_path, epsilon_cap=1000.0, cadence=2))
     budget = open_budget(fed.config)
-    assert [regional_on_cadence(budget.policy, r) for r in (1, 2, 3, 4)] == [True, False, True, False]
-    out = budgeted_evaluation(fed, budget, evaluations(fed), 2, gate=None)
+    assert [regional_on_cadence(budget.policy, r) for r in (1, 2, 3, 4)] == [False, True, False, True]
+    out = budgeted_evaluation(fed, budget, evaluations(fed), 3, gate=None)
     assert out["budget"]["off_cadence"] and all(
         n.startswith("regional.") for n in out["budget"]["off_cadence"])
     assert not any(e["release"].startswith("regional.") for e in budget.ledger.entries())
