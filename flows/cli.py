@@ -103,13 +103,21 @@ def _load(args: argparse.Namespace):
 
 
 def _fmt_regional(rec_regional: dict[str, Any] | None) -> str:
+    """Published accuracy of one evaluation round: global, then each released region."""
     if not rec_regional:
         return "-"
-    acc = rec_regional["metrics"].get("accuracy", {})
-    parts = [
-        f"{r}: {v['value']:.2f}±{v['error_bar']:.2f}" for r, v in acc.get("regions", {}).items()
-    ]
-    return ", ".join(parts) or "all suppressed"
+    acc = rec_regional.get("metrics", {}).get("accuracy", {})
+    parts = []
+    glob = acc.get("global")
+    if glob and glob.get("value") is not None:
+        parts.append(f"global {glob['value']:.2f}±{glob['error_bar']:.2f}")
+    regions = acc.get("regions", {})
+    parts += [f"{r} {v['value']:.2f}±{v['error_bar']:.2f}" for r, v in regions.items()
+              if v.get("value") is not None]
+    if not regions:
+        off = rec_regional.get("budget", {}).get("off_cadence", [])
+        parts.append("regions off cadence" if off else "regions suppressed")
+    return ", ".join(parts)
 
 
 def _check_state_dir(args: argparse.Namespace) -> int:
@@ -186,7 +194,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     if not args.quiet:
         table = Table(title=f"{cfg.name} (seed {cfg.seed})")
-        for col in ("round", "cohorts (sizes)", "flagged", "regional accuracy ± 95% bar"):
+        for col in ("round", "cohorts (sizes)", "flagged", "published accuracy ± 95% bar"):
             table.add_column(col)
         for r in summary["rounds"]:
             sizes = ", ".join(f"{k}:{v}" for k, v in r["cohorts"].items())

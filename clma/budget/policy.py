@@ -210,6 +210,10 @@ def _field_errors(exc: ValidationError, prefix: str = "") -> str:
 def load_policy(path: str | Path | None = None) -> PrivacyPolicy:
     """Load and validate a policy TOML file (default: the shipped ``privacy_policy_v1``).
 
+    ``path`` may also be the bare file name of a policy bundled in ``clma/policy/``
+    (e.g. ``"simulation_policy_v1.toml"``) when no such file exists in the working
+    directory.
+
     Raises:
         PolicyError: the file is missing or not TOML, or a field breaks a rule (the
             message names every offending field, e.g. ``budget.training_fraction``).
@@ -217,6 +221,13 @@ def load_policy(path: str | Path | None = None) -> PrivacyPolicy:
     if path is None:
         data = resources.files("clma").joinpath("policy", DEFAULT_POLICY_FILE).read_bytes()
         source = f"clma/policy/{DEFAULT_POLICY_FILE}"
+    elif (
+        "/" not in str(path)
+        and not Path(path).exists()
+        and resources.files("clma").joinpath("policy", str(path)).is_file()
+    ):  # a bare file name of a bundled policy, e.g. "simulation_policy_v1.toml"
+        data = resources.files("clma").joinpath("policy", str(path)).read_bytes()
+        source = f"clma/policy/{path}"
     else:
         p = Path(path)
         try:

@@ -189,3 +189,20 @@ def test_borrow_request_validation():
     )
     with pytest.raises(ValueError):
         BorrowApproval(approver="x", approve="yes")
+
+
+def test_bundled_simulation_policy_by_file_name(tmp_path, monkeypatch):
+    from clma.budget.policy import PolicyError, load_policy
+
+    monkeypatch.chdir(tmp_path)  # no such file in the working directory
+    sim = load_policy("simulation_policy_v1.toml")
+    prod = load_policy()
+    assert sim.policy_version == "clma-simulation-policy-v1"
+    assert sim.source == "clma/policy/simulation_policy_v1.toml"
+    assert sim.budget.epsilon_per_client_per_epoch == 8 * prod.budget.epsilon_per_client_per_epoch
+    # every rule except the cap is the production policy's
+    a = sim.model_dump(exclude={"policy_version", "content_hash", "source", "rules_hash", "budget"})
+    b = prod.model_dump(exclude={"policy_version", "content_hash", "source", "rules_hash", "budget"})
+    assert a == b
+    with pytest.raises(PolicyError, match="cannot be read"):
+        load_policy("no_such_policy.toml")
