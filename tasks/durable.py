@@ -327,6 +327,7 @@ def state_summary(state_dir: str | Path) -> dict[str, Any]:
     snap = StateStore(state_dir).load()
     if snap is None:
         return {"round": None}
-    return {"round": snap.round, "mlflow": snap.json("mlflow.json"),
-            "federation": snap.json("federation.json")}
+    docs = {k: snap.json(f"{k}.json") if f"{k}.json" in snap.files else None
+            for k in ("mlflow", "federation")}
+    return {"round": snap.round, **docs}
 
