@@ -58,6 +58,8 @@ class SeriesPoint(BaseModel):
     value: float | None = None
     error_bar: float | None = None
     band: str = "suppressed"
+    clip_low: float | None = None
+    clip_high: float | None = None
 
 
 class DashboardHistory(BaseModel):
@@ -91,7 +93,9 @@ class DashboardHistory(BaseModel):
                 else:
                     pt = SeriesPoint(round=rnd, value=float(pub["value"]),
                                      error_bar=float(pub.get("error_bar") or 0.0),
-                                     band=str(pub.get("participant_band", "unknown")))
+                                     band=str(pub.get("participant_band", "unknown")),
+                                     clip_low=pub.get("clip_low"),
+                                     clip_high=pub.get("clip_high"))
                 by_region.setdefault(region, []).append(pt)
                 by_region[region].sort(key=lambda p: p.round)
         for a in report.get("alerts", []):
@@ -152,8 +156,13 @@ def dashboard_figures(history: DashboardHistory) -> dict[str, Any]:
             y = np.array([np.nan if p.value is None else p.value for p in pts], dtype=float)
             bar = np.array([np.nan if p.error_bar is None else p.error_bar for p in pts],
                            dtype=float)
+            # the band is clamped to the metric's clip range, like the envelope's interval
+            # (post-processing): an accuracy band never leaves [0, 1]
+            lo = np.array([-np.inf if p.clip_low is None else p.clip_low for p in pts])
+            hi = np.array([np.inf if p.clip_high is None else p.clip_high for p in pts])
             # 1. uncertainty band first (drawn below everything else)
-            ax.fill_between(x, y - bar, y + bar, color="tab:blue", alpha=0.25, lw=0,
+            ax.fill_between(x, np.maximum(y - bar, lo), np.minimum(y + bar, hi),
+                            color="tab:blue", alpha=0.25, lw=0,
                             zorder=1, label="95% error bar")
             # 2. the published value second
             ax.plot(x, y, color="tab:blue", marker="o", ms=3, lw=1.5, zorder=2,

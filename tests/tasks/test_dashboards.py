@@ -122,3 +122,22 @@ def test_artifact_key_is_prefect_safe():
     k = artifact_key("My Fed_v1.2")
     assert k.startswith("clma-dashboard-my-fed-v1-2-")
     assert set(k) <= set("abcdefghijklmnopqrstuvwxyz0123456789-")
+
+
+def test_band_is_clamped_to_the_clip_range():
+    h = DashboardHistory()
+    near_top = {"value": 0.95, "error_bar": 0.3, "participant_band": "fourfold_or_more",
+                "clip_low": 0.0, "clip_high": 1.0}
+    near_bottom = {"value": 0.1, "error_bar": 0.3, "participant_band": "fourfold_or_more",
+                   "clip_low": 0.0, "clip_high": 1.0}
+    for rnd, pub in ((1, near_top), (2, near_bottom)):
+        h.add_report({"round": rnd, "metrics": {"accuracy": {"regions": {"north": pub}}},
+                      "alerts": [], "alerts_fired": 0, "suppressed_regions_band": "none"})
+    figs = dashboard_figures(h)
+    try:
+        ax = next(a for a in figs["accuracy"].axes if a.get_title() == "accuracy - north")
+        ys = sorted({round(float(y), 6) for y in ax.collections[0].get_paths()[0].vertices[:, 1]})
+        assert ys == [0.0, 0.4, 0.65, 1.0]  # clamped at 0 and 1, not -0.2 and 1.25
+    finally:
+        for f in figs.values():
+            plt.close(f)
