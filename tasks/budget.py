@@ -25,10 +25,14 @@ release, in order:
    borrow was approved in this epoch (a second one would be refused) nor after a refused
    request (training is already frozen) — the ledger's borrow records make that durable
    across re-runs; if the borrow is approved the charge is reserved again;
-4. only a granted reservation draws noise; the published report is committed into the
-   ledger, so a re-run (Prefect retry, restart after a crash) republishes the stored
-   report and draws nothing (``republished``); a refused release draws no noise and is
-   reported (``refused`` with the reason).
+4. only a granted reservation draws noise (``tasks.evaluate.draw_planned``); its
+   server-side results (exact counts included: the ledger is server-side state, nothing
+   of it is published) are committed into the ledger and recorded into the round from
+   what the ledger holds (``tasks.evaluate.restore_planned``). A re-run (Prefect retry,
+   restart after a crash) finds the release committed, records the stored results
+   without drawing noise (``republished``), and the round publishes the same values,
+   envelopes and alert decisions as the run that drew them; a refused release draws no
+   noise and is reported (``refused`` with the reason).
 
 Training (:func:`dp_aggregate_task`): with ``training.dp.enabled``, DP-FedAvg
 (:func:`clma.rounds.dp_aggregate_per_cohort`) after one training charge per round
@@ -308,18 +312,61 @@ def charge_evaluation_task(
     return _reserve(fed, budget, plan, round_number, evaluations)
 
 
+def _draw_release(
+    fed: SimulatedFederation, evaluations: Sequence[ClientEvaluation], round_number: int,
+    plan: ReleasePlan,
+) -> dict[str, Any]:
+    """Draw one granted release; returns the payload the ledger stores with its commit:
+    ``tasks.evaluate.draw_planned`` (server-side results) when it exists, else the
+    published report."""
+    drawer = getattr(importlib.import_module("tasks.evaluate"), "draw_planned", None)
+    if drawer is not None:
+        return drawer(fed, evaluations, round_number, plan)
+    return _release_regional(fed, evaluations, round_number, plan)
+
+
+def _restore_release(
+    fed: SimulatedFederation, evaluations: Sequence[ClientEvaluation], round_number: int,
+    plan: ReleasePlan, stored: dict[str, Any],
+) -> dict[str, Any]:
+    """Record a committed release into the round (no noise) through
+    ``tasks.evaluate.restore_planned`` when it exists; returns its published view."""
+    restorer = getattr(importlib.import_module("tasks.evaluate"), "restore_planned", None)
+    if restorer is not None:
+        return restorer(fed, evaluations, round_number, plan, stored)
+    return stored
+
+
 @task(name="release-evaluation", **_TASK)
 def release_evaluation_task(
     fed: SimulatedFederation, evaluations: list[ClientEvaluation], round_number: int,
     plan: ReleasePlan, reservation: Reservation,
 ) -> dict[str, Any]:
-    """Phase 2 of one granted release: draw the noise, commit the published report into
-    the ledger and return what the ledger holds (the first committed report wins)."""
+    """Phase 2 of one granted release: draw the noise, commit the server-side payload
+    into the ledger, then record and return (published view) what the ledger holds --
+    the first committed payload wins, so the round always publishes the committed values."""
     if not reservation.may_draw_noise:
         raise ValueError("reservation: only a granted reservation may draw noise")
-    report = _release_regional(fed, evaluations, round_number, plan)
-    stored = reservation.commit(json.dumps(report, sort_keys=True, allow_nan=False))
-    return json.loads(stored) if stored is not None else report
+    payload = _draw_release(fed, evaluations, round_number, plan)
+    stored = reservation.commit(json.dumps(payload, sort_keys=True, allow_nan=False))
+    return _restore_release(fed, evaluations, round_number, plan,
+                            json.loads(stored) if stored is not None else payload)
+
+
+@task(name="republish-evaluation", **_TASK)
+def republish_evaluation_task(
+    fed: SimulatedFederation, evaluations: list[ClientEvaluation], round_number: int,
+    plan: ReleasePlan, reservation: Reservation,
+) -> dict[str, Any] | None:
+    """A release already committed (re-run after a crash, Prefect retry): record the
+    stored payload into the round without drawing noise, so the round's report,
+    envelopes and alerts carry exactly the committed values. ``None``: nothing stored."""
+    if not reservation.already_committed:
+        raise ValueError("reservation: only a committed reservation can be republished")
+    if not reservation.stored_result:
+        return None
+    return _restore_release(fed, evaluations, round_number, plan,
+                            json.loads(reservation.stored_result))
 
 
 def _borrow_amount(
@@ -419,7 +466,9 @@ def budgeted_evaluation(
             if decision.approved:
                 res = _reserve(fed, budget, plan, round_number, evaluations)
         if res.already_committed:
-            out["metrics"][plan.metric] = json.loads(res.stored_result) if res.stored_result else None
+            out["metrics"][plan.metric] = republish_evaluation_task(
+                fed, evaluations, round_number, plan, res
+            )
             info["republished"].append(plan.name)
         elif res.may_draw_noise:
             out["metrics"][plan.metric] = release_evaluation_task(

@@ -55,6 +55,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from clma.budget.policy import PrivacyPolicy, default_policy
 from clma.metrics import DeviceMetricLayout, compute_device_report
+from clma.privacy.mechanisms import error_bar, noise_scale
 from clma.privacy.secagg import (
     FixedPointQuantiser,
     SecAggAbort,
@@ -77,7 +78,7 @@ from clma.release import (
     suppressed_region_band,
     update_bounds,
 )
-from clma.release.aggregate import AggregatedMetric, AggregatedVector
+from clma.release.aggregate import AggregatedMetric, AggregatedVector, participant_band
 from clma.sim.federation import SimClient, SimulatedFederation
 from clma.sim.training import predict_proba
 
@@ -95,9 +96,11 @@ __all__ = [
     "effective_min_cohort",
     "evaluate_regions_task",
     "evaluation_state",
+    "draw_planned",
     "finish_evaluation",
     "planned_releases",
     "release_planned",
+    "restore_planned",
     "log_evaluation",
     "plan_releases",
     "private_evaluation",
@@ -116,6 +119,8 @@ SCALAR_METRICS: dict[str, tuple[str, str]] = {
 HEALTH_METRIC = "health.dropout_rate"
 HISTOGRAM_METRIC = "error_histogram"
 MIN_COHORT_RULE = "max(config evaluation.min_cohort, policy evaluation.minimum_group_size)"
+#: Format of the server-side payload a ledger entry stores (:func:`draw_planned`).
+STORED_FORMAT = "clma.evaluation.server/2"
 
 
 # ----------------------------------------------------------------------------- state
@@ -513,10 +518,11 @@ def _new_draws(state: EvaluationState) -> _Draws:
     return d
 
 
-def _draw(fed: SimulatedFederation, sums: SecureSums, rel: PlannedRelease, d: _Draws) -> dict:
-    """Draw the noise of ONE planned release (after its charge); returns its published view."""
+def _compute(fed: SimulatedFederation, sums: SecureSums, rel: PlannedRelease
+             ) -> AggregatedMetric | AggregatedVector:
+    """Draw the noise of ONE planned release (after its charge): the server-side result
+    (exact contributor count inside; never published). Records nothing."""
     state = evaluation_state(fed)
-    policy = _policy(fed)
     m = sums.min_cohort
     slices = sums.layout.slices
     g = sums.groups[rel.region]
@@ -525,8 +531,30 @@ def _draw(fed: SimulatedFederation, sums: SecureSums, rel: PlannedRelease, d: _D
         spec = state.bounds[rel.name].spec()
         s = float(np.clip(g.sum[slices[rel.name]][0], g.contributors * spec.clip_low,
                           g.contributors * spec.clip_high))
-        agg = _clamped(aggregate_sum(s, g.contributors, spec, epsilon=rel.epsilon,
-                                     min_cohort=m, seed=seed))
+        return _clamped(aggregate_sum(s, g.contributors, spec, epsilon=rel.epsilon,
+                                      min_cohort=m, seed=seed))
+    if rel.name == HISTOGRAM_METRIC:
+        return aggregate_vector_sum(
+            g.sum[slices["error_histogram"]], g.contributors, name=HISTOGRAM_METRIC,
+            l1_sensitivity=sums.layout.l1_sensitivity("error_histogram"),
+            epsilon=rel.epsilon, min_cohort=m, seed=seed)
+    # health: dropout rate over the group's selected clients
+    dspec = MetricSpec(HEALTH_METRIC, 0.0, 1.0)
+    return _clamped(aggregate_sum(float(g.dropped), g.selected, dspec,
+                                  epsilon=rel.epsilon, min_cohort=m, seed=seed))
+
+
+def _record(fed: SimulatedFederation, sums: SecureSums, rel: PlannedRelease,
+            agg: AggregatedMetric | AggregatedVector, d: _Draws) -> dict:
+    """Record ONE release's server-side result into the round's draws (published view,
+    envelopes, alert inputs, health, histogram); draws no noise. Everything recorded is
+    a function of ``agg`` (its exact count only through the participant band), so a
+    result restored from the ledger records exactly what the original draw recorded.
+    Returns the release's published view."""
+    state = evaluation_state(fed)
+    policy = _policy(fed)
+    m = sums.min_cohort
+    if rel.name in SCALAR_METRICS:
         pub = agg.to_published_dict()
         pub["bounds_version"] = state.bounds[rel.name].label
         if rel.region == GLOBAL:
@@ -536,25 +564,17 @@ def _draw(fed: SimulatedFederation, sums: SecureSums, rel: PlannedRelease, d: _D
             d.released[rel.name][rel.region] = agg
         d.envelopes[f"{rel.name}/{rel.region}.json"] = _envelope(
             rel.name, SCALAR_METRICS[rel.name][0], agg.value, agg.published_error_bar,
-            spec.clip_low, spec.clip_high, g.contributors, m, agg.level, policy)
+            agg.clip_low, agg.clip_high, agg.contributors, m, agg.level, policy)
     elif rel.name == HISTOGRAM_METRIC:
-        vec = aggregate_vector_sum(
-            g.sum[slices["error_histogram"]], g.contributors, name=HISTOGRAM_METRIC,
-            l1_sensitivity=sums.layout.l1_sensitivity("error_histogram"),
-            epsilon=rel.epsilon, min_cohort=m, seed=seed)
-        agg = vec
-        pub = vec.to_published_dict()
-        pub["values"] = [float(np.clip(v, 0.0, 1.0)) for v in vec.values]
+        pub = agg.to_published_dict()
+        pub["values"] = [float(np.clip(v, 0.0, 1.0)) for v in agg.values]
         pub["edges"] = list(sums.layout.error_edges)
         d.histogram = pub
         for i, v in enumerate(pub["values"]):
             d.envelopes[f"{HISTOGRAM_METRIC}.b{i}/{rel.region}.json"] = _envelope(
-                f"{HISTOGRAM_METRIC}.b{i}", "rate", v, vec.published_error_bar, 0.0, 1.0,
-                g.contributors, m, vec.level, policy)
+                f"{HISTOGRAM_METRIC}.b{i}", "rate", v, agg.published_error_bar, 0.0, 1.0,
+                agg.contributors, m, agg.level, policy)
     else:  # health: dropout rate over the group's selected clients
-        dspec = MetricSpec(HEALTH_METRIC, 0.0, 1.0)
-        agg = _clamped(aggregate_sum(float(g.dropped), g.selected, dspec,
-                                     epsilon=rel.epsilon, min_cohort=m, seed=seed))
         pub = agg.to_published_dict()
         pub["band"] = _dropout_band(agg.value)
         if rel.region == GLOBAL:
@@ -562,11 +582,17 @@ def _draw(fed: SimulatedFederation, sums: SecureSums, rel: PlannedRelease, d: _D
         else:
             d.health["regions"][rel.region] = pub
         d.envelopes[f"{HEALTH_METRIC}/{rel.region}.json"] = _envelope(
-            HEALTH_METRIC, "rate", agg.value, agg.published_error_bar, 0.0, 1.0, g.selected,
-            m, agg.level, policy)
+            HEALTH_METRIC, "rate", agg.value, agg.published_error_bar, 0.0, 1.0,
+            agg.contributors, m, agg.level, policy)
     d.server[f"{rel.name}|{rel.region}"] = agg
     d.made.append(rel)
     return pub
+
+
+def _draw(fed: SimulatedFederation, sums: SecureSums, rel: PlannedRelease, d: _Draws) -> dict:
+    """Draw the noise of ONE planned release (after its charge) and record it; returns
+    its published view."""
+    return _record(fed, sums, rel, _compute(fed, sums, rel), d)
 
 
 def _release_round(
@@ -728,9 +754,12 @@ def private_evaluation(
 
 # ----------------------------------------------------------------------------- ledger adapter
 # tasks/budget.py charges the ledger per (scope, metric) line entry before any noise:
-# it calls planned_releases(fed, round) for the list, release_planned(...) for each
-# granted entry (noise drawn there, after the charge); the flow then calls
-# finish_evaluation(...) for envelopes, alerts, merges and bounds.
+# it calls planned_releases(fed, round) for the list; for each granted entry
+# draw_planned(...) (noise drawn there, after the charge), commits that server-side payload
+# into the ledger and records what the ledger holds with restore_planned(...); an entry
+# already committed (re-run after a crash or a retry) goes to restore_planned(...) only
+# (no noise). The flow then calls finish_evaluation(...) for envelopes, alerts, merges and
+# bounds, which therefore cover republished entries exactly like freshly drawn ones.
 
 
 def _metric_specs(fed: SimulatedFederation) -> dict[str, MetricSpec]:
@@ -780,17 +809,106 @@ def _context(fed: SimulatedFederation, client_ids: Sequence[int], round_number: 
     return ctx
 
 
+def _entry_releases(ctx: _RoundContext, plan: Any) -> list[PlannedRelease]:
+    """The planned releases (one per group) of one ledger entry ``<scope>.<metric>``."""
+    scope, metric = str(plan.name).split(".", 1)
+    return [rel for rel in ctx.plan.releases
+            if rel.name == metric and (rel.region == GLOBAL) == (scope == "global")]
+
+
+def draw_planned(fed: SimulatedFederation, evaluations: Sequence[Any], round_number: int,
+                 plan: Any) -> dict[str, Any]:
+    """Draw the noise of one granted ledger entry (all its groups) WITHOUT recording it.
+
+    Returns the server-side payload the ledger stores with the entry's commit
+    (:data:`STORED_FORMAT`): ``{"format": STORED_FORMAT, "server": {group:
+    AggregatedMetric | AggregatedVector as JSON}}``. It holds the exact contributor
+    counts: it is server-side state (the ledger), never published or logged. Record it
+    with :func:`restore_planned` (the same call re-publishes it after a crash).
+    """
+    ctx = _context(fed, [e.client_id for e in evaluations], round_number)
+    return {"format": STORED_FORMAT,
+            "server": {rel.region: _compute(fed, ctx.sums, rel).model_dump(mode="json")
+                       for rel in _entry_releases(ctx, plan)}}
+
+
+def _from_published(rel: PlannedRelease, pub: Mapping[str, Any], g: GroupSum
+                    ) -> AggregatedMetric | AggregatedVector:
+    """Rebuild a server-side result from a published view stored by an older version
+    (``{"releases": {group: published}}``): the exact count is taken from this round's
+    secure sums (deterministic for a re-run of the same round) and must fall in the
+    stored participant band; the noise scale and exact-n error bar are recomputed from
+    the stored parameters. The histogram comes back with its published (clamped) values.
+    """
+    n = g.selected if rel.name == HEALTH_METRIC else g.contributors
+    if participant_band(n, int(pub["min_cohort"])).value != pub["participant_band"]:
+        raise ValueError(f"stored release {rel.name}/{rel.region}: the round's contributor "
+                         "count does not match the stored participant band")
+    level = float(pub["error_bar_level"])
+    if rel.name == HISTOGRAM_METRIC:
+        scale = noise_scale(float(pub["l1_sensitivity"]), float(pub["epsilon"]))
+        return AggregatedVector(
+            name=pub["name"], values=[float(v) for v in pub["values"]],
+            error_bar=error_bar(scale, level=level, n=n), contributors=n,
+            epsilon=float(pub["epsilon"]), l1_sensitivity=float(pub["l1_sensitivity"]),
+            noise_scale=scale, level=level, min_cohort=int(pub["min_cohort"]),
+            noise_source=pub["noise_source"])
+    mech = pub.get("mechanism", "laplace")
+    delta = pub.get("delta")
+    scale = noise_scale(float(pub["sensitivity"]), float(pub["epsilon"]), mechanism=mech,
+                        delta=delta)
+    return AggregatedMetric(
+        name=pub["name"], value=float(pub["value"]),
+        error_bar=error_bar(scale, mechanism=mech, level=level, n=n), contributors=n,
+        epsilon=float(pub["epsilon"]), delta=delta, mechanism=mech, noise_scale=scale,
+        sensitivity=float(pub["sensitivity"]), clip_low=float(pub["clip_low"]),
+        clip_high=float(pub["clip_high"]), level=level, min_cohort=int(pub["min_cohort"]),
+        noise_source=pub["noise_source"])
+
+
+def restore_planned(fed: SimulatedFederation, evaluations: Sequence[Any], round_number: int,
+                    plan: Any, stored: Mapping[str, Any]) -> dict[str, Any]:
+    """Record one ledger entry's committed results into the round WITHOUT drawing noise.
+
+    ``stored``: the payload of :func:`draw_planned` as committed in the ledger (or, from
+    an older version, the published view ``{"releases": {group: published}}``). The
+    round's report, envelopes and alert inputs then hold exactly the committed values,
+    so :func:`finish_evaluation` publishes the same report as the run that drew them.
+    Returns the published view ``{"releases": {group: published}}`` (no counts).
+
+    Raises:
+        ValueError: an unknown payload format, or a stored group the round does not
+            plan (the re-run's secure sums differ from the committed run's).
+    """
+    ctx = _context(fed, [e.client_id for e in evaluations], round_number)
+    rels = {rel.region: rel for rel in _entry_releases(ctx, plan)}
+    if stored.get("format") == STORED_FORMAT:
+        items = stored["server"]
+    elif "format" not in stored and isinstance(stored.get("releases"), Mapping):
+        items = stored["releases"]
+    else:
+        raise ValueError(f"stored release {plan.name}: unknown stored payload format")
+    out: dict[str, Any] = {}
+    for region, data in items.items():
+        rel = rels.get(region)
+        if rel is None:
+            raise ValueError(f"stored release {plan.name}: group {region!r} is not planned "
+                             "in this round")
+        if stored.get("format") == STORED_FORMAT:
+            cls = AggregatedVector if rel.name == HISTOGRAM_METRIC else AggregatedMetric
+            agg = cls.model_validate(data)
+        else:
+            agg = _from_published(rel, data, ctx.sums.groups[region])
+        out[region] = _record(fed, ctx.sums, rel, agg, ctx.draws)
+    return {"releases": out}
+
+
 def release_planned(fed: SimulatedFederation, evaluations: Sequence[Any], round_number: int,
                     plan: Any) -> dict[str, Any]:
-    """Draw the noise of one granted ledger entry (all its groups); returns its published
-    view ``{"releases": {group: published}}`` (JSON-able, no counts)."""
-    ctx = _context(fed, [e.client_id for e in evaluations], round_number)
-    scope, metric = str(plan.name).split(".", 1)
-    out: dict[str, Any] = {}
-    for rel in ctx.plan.releases:
-        if rel.name == metric and (rel.region == GLOBAL) == (scope == "global"):
-            out[rel.region] = _draw(fed, ctx.sums, rel, ctx.draws)
-    return {"releases": out}
+    """Draw and record one granted ledger entry (no ledger in between); returns its
+    published view ``{"releases": {group: published}}`` (JSON-able, no counts)."""
+    payload = draw_planned(fed, evaluations, round_number, plan)
+    return restore_planned(fed, evaluations, round_number, plan, payload)
 
 
 def finish_evaluation(fed: SimulatedFederation, client_ids: Sequence[int], round_number: int,
