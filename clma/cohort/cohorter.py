@@ -53,7 +53,13 @@ from clma.cohort.ks import (
     ks_components_from_sorted,
     ks_critical_value,
 )
-from clma.cohort.projection import DEFAULT_BLOCK_BYTES, displacement_gram, gram_pca_details
+from clma.cohort.projection import (
+    DEFAULT_BLOCK_BYTES,
+    centered_subgram,
+    displacement_gram,
+    gram_pca_details,
+    gram_pca_from_gram,
+)
 from clma.params.errors import NonFiniteParameterError, ParameterAlignmentError
 
 __all__ = [
@@ -339,8 +345,8 @@ class CLMACohorter(Cohorter):
             return "undirected"
         return "positive" if comp.sign > 0 else "negative"
 
-    def _reconcile(self, mat: np.ndarray, ref: np.ndarray,
-                   keys: list[tuple[str, int]]) -> dict[tuple[str, int], tuple[str, int]]:
+    def _reconcile(self, mat: np.ndarray, ref: np.ndarray, keys: list[tuple[str, int]],
+                   disp: np.ndarray | None = None) -> dict[tuple[str, int], tuple[str, int]]:
         """Map each (direction, group) key to the key of the merged group it joins.
 
         Union-find over pairs of groups from different direction groups (never "no_shift")
@@ -351,7 +357,8 @@ class CLMACohorter(Cohorter):
         groups = sorted({k for k in keys if k[0] != "no_shift"})
         if thr is None or len({d for d, _ in groups}) < 2:
             return {}
-        gram = displacement_gram(mat, ref, block_bytes=self.block_bytes)
+        gram = disp if disp is not None else displacement_gram(mat, ref,
+                                                               block_bytes=self.block_bytes)
         norms = np.sqrt(np.clip(np.diag(gram), 0.0, None))
         safe = np.where(norms > 0.0, norms, 1.0)
         cos = gram / np.outer(safe, safe)
@@ -423,6 +430,12 @@ class CLMACohorter(Cohorter):
                      if self.effective_direction_rule == "established" else None)
         directions = [self._direction(c, threshold) for c in comps]
 
+        # One pass over the stack when centering: the displacement Gram D = (X - r)(X - r)^T
+        # gives every direction group's centered Gram exactly (J D_SS J, J the centering
+        # matrix) and the reconciliation's cosines, so the stack is read once, not once per
+        # direction group plus once for the reconciliation.
+        disp = (displacement_gram(mat, ref, block_bytes=self.block_bytes)
+                if self.center and n > 1 else None)
         group_labels: list[tuple[str, int] | None] = [None] * n
         diag_parts: list[tuple[str, list[int], int, float, int, dict[int, float], str]] = []
         for direction in DIRECTIONS:
@@ -434,8 +447,12 @@ class CLMACohorter(Cohorter):
                 diag_parts.append((direction, rows, 0, 0.0, 1, {},
                                    "pooled" if direction == "no_shift" else "single client"))
             else:
-                pca = gram_pca_details(mat, self.variance_threshold, self.center,
-                                       rows=np.asarray(rows), block_bytes=self.block_bytes)
+                if disp is not None:  # centered Gram of the group from the one pass
+                    pca = gram_pca_from_gram(centered_subgram(disp, rows),
+                                             self.variance_threshold)
+                else:
+                    pca = gram_pca_details(mat, self.variance_threshold, self.center,
+                                           rows=np.asarray(rows), block_bytes=self.block_bytes)
                 res = self.clusterer.fit_predict_details(pca.scores)
                 sub = res.labels
                 diag_parts.append((direction, rows, pca.n_components, pca.retained_variance,
@@ -444,7 +461,7 @@ class CLMACohorter(Cohorter):
                 group_labels[r] = (direction, int(s))
 
         keys = [k for k in group_labels if k is not None]
-        alias = self._reconcile(mat, ref, keys)
+        alias = self._reconcile(mat, ref, keys, disp)
         local: dict[tuple[str, int], int] = {}
         assignments: dict[ClientId, int] = {}
         for cid, key in zip(ids, group_labels, strict=True):

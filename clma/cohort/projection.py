@@ -25,6 +25,7 @@ import numpy as np
 
 __all__ = [
     "GramPCAResult",
+    "centered_subgram",
     "displacement_gram",
     "gram_matrix",
     "gram_pca",
@@ -112,6 +113,25 @@ def displacement_gram(matrix: np.ndarray, reference: np.ndarray, *,
     gram += gram.T
     gram *= 0.5
     return gram
+
+
+def centered_subgram(gram: np.ndarray, rows: list[int] | np.ndarray) -> np.ndarray:
+    """Mean-centered Gram matrix of a row subset, from any Gram matrix of those rows.
+
+    For rows ``S`` (``m`` of them) of ``Y = X - r`` (any common offset ``r``, e.g. the
+    reference), ``(Y_S - mean(Y_S)) (Y_S - mean(Y_S))^T = J G_SS J`` with
+    ``J = I - 11^T / m``: the offset cancels, so the displacement Gram of
+    :func:`displacement_gram` yields every group's centered Gram without reading the
+    stack again. Returns ``(m, m)`` float64, symmetrised.
+    """
+    idx = np.asarray(rows, dtype=np.intp)
+    sub = gram[np.ix_(idx, idx)]
+    row_mean = sub.mean(axis=1, keepdims=True)
+    col_mean = sub.mean(axis=0, keepdims=True)
+    out = sub - row_mean - col_mean + sub.mean()
+    out += out.T
+    out *= 0.5
+    return out
 
 
 @dataclass(frozen=True)

@@ -101,3 +101,54 @@ def test_noisy_singleton_of_a_family_rejoins_it():
     assert dirs.count("negative") == 1 and dirs.count("undirected") == 14  # precondition
     assert len(set(off.assignments.values())) == 2
     assert set(CLMACohorter().cohort(ids, mat, ref).assignments.values()) == {0}
+
+
+def test_centered_subgram_equals_literal_centered_gram():
+    from clma.cohort.projection import centered_subgram, gram_matrix
+
+    rng = np.random.default_rng(4)
+    mat = rng.normal(size=(9, 2003)).astype(np.float32)
+    ref = rng.normal(size=2003).astype(np.float32)
+    disp = displacement_gram(mat, ref)
+    rows = [0, 2, 3, 7, 8]
+    literal = gram_matrix(mat, np.asarray(rows), center=True)  # centering by column means
+    np.testing.assert_allclose(centered_subgram(disp, rows), literal, rtol=1e-9, atol=1e-8)
+
+
+def test_centered_cohort_reads_the_stack_once(monkeypatch):
+    """With centering, one displacement-Gram pass serves every direction group's PCA and
+    the reconciliation: no per-group pass over the stack."""
+    import clma.cohort.cohorter as ch
+
+    calls = {"disp": 0, "group": 0}
+    real_disp, real_group = ch.displacement_gram, ch.gram_pca_details
+
+    def disp(*a, **k):
+        calls["disp"] += 1
+        return real_disp(*a, **k)
+
+    def group(*a, **k):
+        calls["group"] += 1
+        return real_group(*a, **k)
+
+    monkeypatch.setattr(ch, "displacement_gram", disp)
+    monkeypatch.setattr(ch, "gram_pca_details", group)
+    rng = np.random.default_rng(6)
+    ref = rng.normal(0, 0.05, P).astype(np.float32)
+    rows = (_family(rng, ref, 0.0009, 5) + _family(rng, ref, -0.0009, 5)
+            + _family(rng, ref, 0.0, 4, shared_sd=0.01, client_sd=0.002))
+    mat = np.stack(rows).astype(np.float32)
+    ids = list(range(len(rows)))
+    res = CLMACohorter(reconcile_similarity=None).cohort(ids, mat, ref)
+    assert len({d for d in res.directions.values()}) >= 2  # several direction groups
+    assert calls == {"disp": 1, "group": 0}
+    # identical assignments to the per-group route (no displacement Gram available)
+    monkeypatch.setattr(ch, "displacement_gram", lambda *a, **k: None)
+    per_group = CLMACohorter(reconcile_similarity=None).cohort(ids, mat, ref)
+    assert calls["group"] >= 2
+    assert per_group.assignments == res.assignments
+    monkeypatch.setattr(ch, "displacement_gram", disp)
+    # the uncentered (published) form keeps the per-group route
+    calls.update(disp=0, group=0)
+    CLMACohorter(center=False, clusterer=AutoKMeans(fixed_k=2)).cohort(ids, mat, ref)
+    assert calls["disp"] == 0 and calls["group"] >= 1
