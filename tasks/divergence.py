@@ -39,9 +39,9 @@ from prefect.cache_policies import NO_CACHE
 from clma.divergence import (
     DivergenceReport,
     RepresentationScorer,
+    build_report,
     parameter_baseline,
     probe_digest,
-    robust_z_stats,
 )
 from clma.params import AllParams, vector_to_model
 from clma.rounds import ClientUpdate
@@ -142,25 +142,8 @@ def _round_report(
     per_layer: dict[int, list[float]],
 ) -> DivergenceReport:
     """Representation report with z taken across *all* the round's clients (all cohorts)."""
-    x = np.asarray(scores, dtype=np.float64)
-    rz = robust_z_stats(x)
-    z = {c: float(v) for c, v in zip(ids, rz.z, strict=True)}
-    flagged = sorted(c for c in ids if z[c] > z_threshold)  # NaN (n < 3) never flags
-    max_z = float(np.max(rz.z)) if rz.z.size and np.isfinite(rz.z).all() else math.nan
-    return DivergenceReport(
-        method="representation",
-        scores={c: float(s) for c, s in zip(ids, x, strict=True)},
-        z=z,
-        flagged=flagged,
-        median=rz.median,
-        mad=rz.mad,
-        scale=rz.scale,
-        scale_rule=rz.rule,
-        max_z=max_z,
-        z_threshold=z_threshold,
-        beta=beta,
-        layer_divergences=per_layer,
-    )
+    return build_report("representation", ids, np.asarray(scores, dtype=np.float64),
+                        z_threshold, beta, per_layer)
 
 
 def score_divergence(

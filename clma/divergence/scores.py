@@ -42,6 +42,7 @@ __all__ = [
     "DivergenceReport",
     "RepresentationScorer",
     "RobustZ",
+    "build_report",
     "combine_layer_divergences",
     "cosine_distance_to_mean",
     "hierarchical_divergence",
@@ -324,7 +325,7 @@ def _check_client_id(c: object) -> ClientId:
     return int(c) if isinstance(c, np.integer) else c
 
 
-def _build_report(
+def build_report(
     method: Literal["representation", "parameter_cosine"],
     client_ids: Sequence[ClientId],
     scores: np.ndarray,
@@ -332,6 +333,9 @@ def _build_report(
     beta: float | None = None,
     layer_divergences: dict[ClientId, list[float]] | None = None,
 ) -> DivergenceReport:
+    """A :class:`DivergenceReport` from per-client scores ``(n,)`` (same order as
+    ``client_ids``): robust z across them (:func:`robust_z_stats`), flagged where
+    ``z > z_threshold`` (NaN z, fewer than 3 clients, never flags)."""
     rz = robust_z_stats(scores)
     flagged = sorted(
         (c for c, zc in zip(client_ids, rz.z, strict=True) if zc > z_threshold), key=_sort_key
@@ -510,7 +514,7 @@ class RepresentationScorer:
             ids.append(cid)
             per_layer[cid] = d
             scores.append(combine_layer_divergences(d, beta=self.config.beta))
-        return _build_report(
+        return build_report(
             "representation",
             ids,
             np.asarray(scores, dtype=np.float64),
@@ -612,4 +616,4 @@ def parameter_baseline(
             raise ValueError("client_ids must have one id per row of updates")
     if len(set(ids)) != len(ids):
         raise ValueError("client_ids must be distinct")
-    return _build_report("parameter_cosine", ids, dist, z_threshold)
+    return build_report("parameter_cosine", ids, dist, z_threshold)
