@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import importlib
 import json
 import math
 import re
@@ -78,9 +77,9 @@ from clma.budget import (
     load_policy,
 )
 from clma.config import FederationConfig
-from clma.release import MetricSpec, regional_report
 from clma.rounds import ClientUpdate, dp_aggregate_per_cohort
 from clma.sim.federation import ClientEvaluation, SimulatedFederation
+from tasks import evaluate
 
 __all__ = [
     "TRAINING_RELEASE",
@@ -216,68 +215,16 @@ class ReleasePlan(BaseModel):
         return MechanismEvent.gaussian(float(self.noise_multiplier))  # type: ignore[arg-type]
 
 
-def _metric_specs(fed: SimulatedFederation) -> dict[str, MetricSpec]:
-    from tasks.evaluate import _metric_specs as specs
-
-    return specs(fed)
-
-
 def planned_releases(fed: SimulatedFederation, round_number: int) -> list[ReleasePlan]:
-    """The releases the evaluation path makes this round.
-
-    Uses ``tasks.evaluate.planned_releases(fed, round_number)`` when it exists (each item a
-    mapping or an object with the :class:`ReleasePlan` fields; ``region``/``global`` is
-    accepted for ``scope``); otherwise what ``evaluate_regions_task`` releases: per metric
-    one regional Laplace release at ``evaluation.epsilon`` named ``regional.<metric>``.
-    """
-    evaluate = importlib.import_module("tasks.evaluate")
-    planner = getattr(evaluate, "planned_releases", None)
-    if planner is None:
-        eps = fed.config.evaluation.epsilon
-        return [
-            ReleasePlan(name=f"regional.{m}", metric=m, scope="regional", epsilon=eps)
-            for m in _metric_specs(fed)
-        ]
+    """The releases the evaluation path makes this round
+    (``tasks.evaluate.planned_releases``: one entry per (scope, metric), known before the
+    round's data), as :class:`ReleasePlan`s."""
     out = []
-    for item in planner(fed, round_number):
-        data = dict(item) if isinstance(item, Mapping) else (
-            item.model_dump() if isinstance(item, BaseModel) else dict(vars(item))
-        )
-        if data.get("scope") == "region":
-            data["scope"] = "regional"
+    for item in evaluate.planned_releases(fed, round_number):
+        data = dict(item)
         data.setdefault("metric", data.get("name"))
         out.append(ReleasePlan.model_validate(data))
     return out
-
-
-def _noise_seed(fed: SimulatedFederation, round_number: int, metric: str) -> int | None:
-    """The seed ``evaluate_regions_task`` uses (same published values), None = OpenDP."""
-    if not fed.config.evaluation.noise_seeded:
-        return None
-    base = np.random.default_rng([fed.config.seed, round_number, 101]).integers(2**31)
-    return int(base) + len(metric)
-
-
-def _release_regional(
-    fed: SimulatedFederation, evaluations: Sequence[ClientEvaluation], round_number: int,
-    plan: ReleasePlan,
-) -> dict[str, Any]:
-    """Draw the noise of one regional release (the evaluation path's published view)."""
-    evaluate = importlib.import_module("tasks.evaluate")
-    releaser = getattr(evaluate, "release_planned", None)
-    if releaser is not None:
-        return releaser(fed, evaluations, round_number, plan)
-    ev = fed.config.evaluation
-    spec = _metric_specs(fed)[plan.metric]
-    by_region: dict[str, list[float]] = {r: [] for r in fed.partition.region_ids}
-    for e in evaluations:
-        by_region[e.region].append(getattr(e, plan.metric))
-    report = regional_report(
-        {r: np.asarray(v, dtype=np.float64) for r, v in by_region.items()},
-        spec, epsilon_total=float(plan.epsilon), min_cohort=ev.min_cohort,  # type: ignore[arg-type]
-        seed=_noise_seed(fed, round_number, plan.metric),
-    )
-    return report.to_published_dict()
 
 
 # --------------------------------------------------------------------------- evaluation
@@ -316,25 +263,18 @@ def _draw_release(
     fed: SimulatedFederation, evaluations: Sequence[ClientEvaluation], round_number: int,
     plan: ReleasePlan,
 ) -> dict[str, Any]:
-    """Draw one granted release; returns the payload the ledger stores with its commit:
-    ``tasks.evaluate.draw_planned`` (server-side results) when it exists, else the
-    published report."""
-    drawer = getattr(importlib.import_module("tasks.evaluate"), "draw_planned", None)
-    if drawer is not None:
-        return drawer(fed, evaluations, round_number, plan)
-    return _release_regional(fed, evaluations, round_number, plan)
+    """Draw one granted release; returns the server-side payload the ledger stores with
+    its commit (``tasks.evaluate.draw_planned``)."""
+    return evaluate.draw_planned(fed, evaluations, round_number, plan)
 
 
 def _restore_release(
     fed: SimulatedFederation, evaluations: Sequence[ClientEvaluation], round_number: int,
     plan: ReleasePlan, stored: dict[str, Any],
 ) -> dict[str, Any]:
-    """Record a committed release into the round (no noise) through
-    ``tasks.evaluate.restore_planned`` when it exists; returns its published view."""
-    restorer = getattr(importlib.import_module("tasks.evaluate"), "restore_planned", None)
-    if restorer is not None:
-        return restorer(fed, evaluations, round_number, plan, stored)
-    return stored
+    """Record a committed release into the round without noise
+    (``tasks.evaluate.restore_planned``); returns its published view."""
+    return evaluate.restore_planned(fed, evaluations, round_number, plan, stored)
 
 
 @task(name="release-evaluation", **_TASK)
