@@ -55,7 +55,12 @@ class ConfigError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+    # strict: no silent coercion (`clients = true` or `rounds = "10"` are errors, not 1 and
+    # 10); allow_inf_nan=False: every float must be finite (an infinite loss_max or gamma
+    # would otherwise pass here and fail mid-run).
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, validate_default=True, strict=True, allow_inf_nan=False
+    )
 
 
 PositiveInt = Annotated[int, Field(gt=0)]
@@ -138,7 +143,9 @@ class DriftConfig(_Strict):
 class ModelConfig(_Strict):
     """A small ReLU multilayer perceptron."""
 
-    hidden: list[PositiveInt] = Field(default_factory=lambda: [64, 32], min_length=1)
+    hidden: list[Annotated[int, Field(gt=0, le=4096)]] = Field(
+        default_factory=lambda: [64, 32], min_length=1, max_length=8
+    )
 
 
 class DPFedAvgConfig(_Strict):
@@ -185,8 +192,22 @@ class BudgetConfig(_Strict):
         "None = a fresh temporary folder per run.",
     )
     policy: str | None = Field(
-        default=None, description="Privacy policy TOML; None = clma/policy/privacy_policy_v1.toml."
+        default=None,
+        description="Privacy policy TOML (a path, or the file name of a policy bundled in "
+        "clma/policy/); None = clma/policy/privacy_policy_v1.toml.",
     )
+
+    @field_validator("policy")
+    @classmethod
+    def _policy_loads(cls, v: str | None) -> str | None:
+        """The policy must load and validate now, not when the first release is charged."""
+        from clma.budget.policy import PolicyError, load_policy
+
+        try:
+            load_policy(v)
+        except PolicyError as exc:
+            raise ValueError(str(exc)) from None
+        return v
     approval_gate: Literal["pause", "refuse"] = Field(
         default="refuse",
         description="When evaluation would overspend: 'pause' waits for a named approver "

@@ -120,11 +120,27 @@ def _fmt_regional(rec_regional: dict[str, Any] | None) -> str:
     return ", ".join(parts)
 
 
-def _check_state_dir(args: argparse.Namespace) -> int:
+def _check_out(args: argparse.Namespace) -> None:
+    """--out must be a folder we can create or write, checked before any training."""
+    from clma.config import ConfigError
+
+    out = args.out
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {str(out)!r}: exists and is not a folder")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"--out {str(out)!r}: cannot be created ({exc.strerror})") from None
+    if not os.access(out, os.W_OK):
+        raise ConfigError(f"--out {str(out)!r}: is not writable")
+
+
+def _check_state_dir(args: argparse.Namespace, cfg: Any = None) -> int:
     """Rounds already committed in --resume STATE_DIR (0 without one). Raises StateError
-    when --resume names no federation or --state-dir already holds one."""
-    from clma.state import StateError
-    from tasks.durable import state_summary
+    when --resume names no federation, --state-dir already holds one, --rounds asks for
+    fewer rounds than are committed, or --config differs from the stored federation."""
+    from clma.state import StateError, resume_fingerprint
+    from tasks.durable import state_summary, stored_config
 
     if args.resume is not None and args.state_dir is not None:
         raise StateError("--resume and --state-dir: give one (--resume continues a federation)")
@@ -132,6 +148,16 @@ def _check_state_dir(args: argparse.Namespace) -> int:
         done = state_summary(args.resume)["round"]
         if done is None:
             raise StateError(f"--resume {str(args.resume)!r}: no committed federation state there")
+        if args.rounds is not None and args.rounds < int(done):
+            raise StateError(
+                f"--rounds {args.rounds}: the federation in {str(args.resume)!r} has already "
+                f"committed {int(done)} rounds; --rounds is the total, so it must be at least that")
+        stored = stored_config(args.resume)
+        if cfg is not None and stored is not None and (
+                resume_fingerprint(cfg) != resume_fingerprint(stored)):
+            raise StateError(
+                "--config: differs from the federation stored in the state directory (only "
+                "rounds, schedule, state, tracking and orchestration may change when resuming)")
         return int(done)
     if args.state_dir is not None and state_summary(args.state_dir)["round"] is not None:
         raise StateError(f"--state-dir {str(args.state_dir)!r}: already holds a federation; "
@@ -145,7 +171,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     try:
         cfg = _load(args)
-        done = _check_state_dir(args)
+        done = _check_state_dir(args, cfg)
+        _check_out(args)
     except (ConfigError, StateError) as exc:
         print(f"clma: {exc}", file=sys.stderr)
         return 2

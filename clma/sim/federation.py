@@ -204,6 +204,12 @@ def build_federation(config: FederationConfig) -> SimulatedFederation:
             eval_y=dataset.labels[ev],
             n_classes=dataset.n_classes,
         )
+    for i, ev in enumerate(config.drift.events):
+        if ev.kind == "label_rotation" and ev.shift % dataset.n_classes == 0:
+            raise ValueError(
+                f"drift.events[{i}].shift: a rotation by a multiple of the number of classes "
+                f"({dataset.n_classes}) changes no label"
+            )
     spec = MLPSpec(dataset.n_features, tuple(config.model.hidden), dataset.n_classes)
     from clma.params import AllParams
 

@@ -186,3 +186,14 @@ def test_evaluate_clients_values_and_clipping(fed):
     assert all(e.probabilities is None and e.labels is None for e in clipped)
     for e in clipped:
         assert 0.0 <= e.accuracy <= 1.0
+
+
+@pytest.mark.parametrize("shift", [10, -20])
+def test_label_rotation_by_a_multiple_of_the_classes_is_rejected(shift):
+    from clma.config import validate_config
+    from clma.sim.federation import build_federation
+
+    cfg = validate_config({"clients": 6, "drift": {"events": [
+        {"round": 2, "kind": "label_rotation", "shift": shift, "clients": [0], "family": "f"}]}})
+    with pytest.raises(ValueError, match=r"drift.events\[0\].shift: .* changes no label"):
+        build_federation(cfg)

@@ -56,6 +56,16 @@ CASES = [
      "data.data_dir", "not found"),
     ("[data]\nregion_partition = \"/nonexistent/regions.toml\"\n", "data.region_partition",
      "No such file"),
+    # non-finite floats, silent coercions, the policy file, a no-op rotation (newcomer trial)
+    ("[evaluation]\nloss_max = inf\n", "evaluation.loss_max", "finite number"),
+    ("[drift]\ngamma = nan\n", "drift.gamma", "finite number"),
+    ("[divergence]\nbeta = inf\n", "divergence.beta", "finite number"),
+    ("clients = true\n", "clients", "valid integer"),
+    ("[training]\nlearning_rate = true\n", "training.learning_rate", "valid number"),
+    ("[model]\nhidden = [100000000]\n", "model.hidden.0", "less than or equal to 4096"),
+    ("[budget]\npolicy = \"/nonexistent/policy.toml\"\n", "budget.policy", "cannot be read"),
+    ("[[drift.events]]\nround = 2\nkind = \"label_rotation\"\nshift = 10\nfamily = \"p\"\n"
+     "clients = [0]\n", "drift.events[0].shift", "changes no label"),
 ]
 
 
@@ -108,3 +118,32 @@ def test_argparse_rejects_non_integer(capsys, tmp_path):
         main(["run", "--rounds", "many"])
     assert info.value.code == 2
     assert "--rounds" in capsys.readouterr().err
+
+
+def test_out_that_is_a_file_fails_before_training(capsys, tmp_path):
+    f = tmp_path / "file.txt"
+    f.write_text("x")
+    rc = main(["run", "--out", str(f), "--quiet", "--rounds", "1"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "--out" in err and "not a folder" in err and err.count("\n") == 1
+
+
+def test_resume_rounds_below_committed_and_other_config_refused(capsys, tmp_path, monkeypatch):
+    import tasks.durable as durable
+    from clma.config import default_config
+
+    state = tmp_path / "state"
+    state.mkdir()
+    monkeypatch.setattr(durable, "state_summary", lambda d: {"round": 2})
+    monkeypatch.setattr(durable, "stored_config", lambda d: default_config())
+    rc = main(["run", "--resume", str(state), "--rounds", "1", "--quiet",
+               "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--rounds 1" in err and "committed 2 rounds" in err
+    other = tmp_path / "other.toml"
+    other.write_text("seed = 5\n")
+    rc = main(["run", "--resume", str(state), "--config", str(other), "--quiet",
+               "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("clma: --config: differs from the federation stored")
