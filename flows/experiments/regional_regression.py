@@ -63,14 +63,30 @@ def _fmt(v: float | None, bar: float | None) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from clma.config import load_config
+    import sys
 
-    if args.config is None:
-        text = resources.files("clma.configs").joinpath("regional_regression.toml")
-        cfg = load_config(Path(str(text)))
-    else:
-        cfg = load_config(args.config)
-    cfg = cfg.with_overrides(seed=args.seed)
+    from clma.config import ConfigError, load_config
+    from clma.regions import PartitionError, load_partition
+
+    metrics = ("accuracy", "mean_loss")
+    try:
+        if args.config is None:
+            text = resources.files("clma.configs").joinpath("regional_regression.toml")
+            cfg = load_config(Path(str(text)))
+        else:
+            cfg = load_config(args.config)
+        cfg = cfg.with_overrides(seed=args.seed)
+        regions = load_partition(cfg.data.region_partition).region_ids
+        if args.region not in regions:
+            raise ConfigError(f"--region {args.region!r}: not a region of the partition "
+                              f"({', '.join(regions)})")
+        if args.metric not in metrics:
+            raise ConfigError(f"--metric {args.metric!r}: must be one of {', '.join(metrics)}")
+        if args.out.exists() and not args.out.is_dir():
+            raise ConfigError(f"--out {str(args.out)!r}: exists and is not a folder")
+    except (ConfigError, PartitionError) as exc:
+        print(f"clma: {exc}", file=sys.stderr)
+        return 2
     if args.no_tracking:
         cfg = cfg.model_copy(update={"tracking": cfg.tracking.model_copy(update={"enabled": False})})
     from flows.federation import federation_flow

@@ -79,3 +79,18 @@ def test_envelopes_and_alerts_in_mlflow_and_out_folder(scenario):
     local = tmp / "out" / "envelopes" / "round_006" / "accuracy" / "coast.json"
     assert local.read_text() == Path(path).read_text()
     assert "contributors" not in json.dumps(summary)
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["--region", "atlantis"], "--region 'atlantis': not a region of the partition"),
+    (["--metric", "nope"], "--metric 'nope': must be one of accuracy, mean_loss"),
+    (["--config", "/nonexistent/cfg.toml"], "cannot be read"),
+])
+def test_experiment_bad_arguments_exit_2_before_running(capsys, tmp_path, argv, needle):
+    from flows.cli import main
+
+    out = tmp_path / "out"
+    rc = main(["experiment", "regional-regression", "--no-tracking", "--out", str(out), *argv])
+    err = capsys.readouterr().err
+    assert rc == 2 and needle in err and err.count("\n") == 1
+    assert not out.exists()  # nothing half-written
