@@ -5,8 +5,10 @@ description of a simulated federation. Invalid values fail *before* any training
 :class:`ConfigError` whose message names the field (dotted path) and the rule it broke.
 
 The embedded default is :func:`default_config` (the file ``clma/configs/default.toml``
-shipped with the package): 20 clients in 5 regions on scikit-learn's handwritten digits,
+shipped with the package): 60 clients in 5 regions on scikit-learn's handwritten digits,
 10 rounds, concept drift into two opposite label-rotation families at rounds 4 and 7.
+A config file only overrides what it names: fields it omits take the model defaults
+below (e.g. 20 clients and no drift events), not the embedded default's values.
 """
 
 from __future__ import annotations
