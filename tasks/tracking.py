@@ -38,8 +38,10 @@ def default_tracking_uri() -> str:
 
 
 def _artifact_location(uri: str) -> str | None:
-    """For the default SQLite store, keep artifacts beside it under mlflow/store/."""
-    if uri.startswith("sqlite:///") and not os.environ.get("MLFLOW_TRACKING_URI"):
+    """A local SQLite store keeps its artifacts beside the database (``<db dir>/artifacts``)
+    instead of MLflow's default ``./mlruns`` of whatever directory the run started in;
+    servers and other stores keep their own artifact root (None)."""
+    if uri.startswith("sqlite:///"):
         return (Path(uri[len("sqlite:///") :]).parent / "artifacts").resolve().as_uri()
     return None
 

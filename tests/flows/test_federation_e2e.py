@@ -132,3 +132,11 @@ def test_metric_key_makes_merged_region_names_valid_for_mlflow():
     assert metric_key("regional.islands+west.accuracy") == "regional.islands_west.accuracy"
     assert metric_key("eval.global.accuracy.error_bar") == "eval.global.accuracy.error_bar"
     _validate_metric_name(metric_key("regional.a+b(c)*d.x"))  # raises if still invalid
+
+
+def test_sqlite_store_keeps_artifacts_beside_the_database(tmp_path):
+    from tasks.tracking import _artifact_location
+
+    db = tmp_path / "s" / "mlflow.db"
+    assert _artifact_location(f"sqlite:///{db}") == (tmp_path / "s" / "artifacts").as_uri()
+    assert _artifact_location("http://127.0.0.1:5000") is None
