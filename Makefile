@@ -5,7 +5,7 @@ PYTHON ?= python3.11
 VENV   ?= .venv
 PY      = $(VENV)/bin/python
 
-.PHONY: run test lint bench clean-store
+.PHONY: run test lint bench clean-store chromium
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -25,7 +25,12 @@ $(VENV)/.installed-test: pyproject.toml requirements/flower-no-deps.txt | $(VENV
 	$(PY) -m pip install -q --no-deps -r requirements/flower-no-deps.txt
 	touch $@
 
-test: $(VENV)/.installed-test
+# The browser test (tests/flows/test_browser_ui.py) drives Debian's Chromium (no browser
+# download): installed with apt when missing (needs root, as on CI).
+chromium:
+	@command -v chromium >/dev/null || (apt-get update -q && apt-get install -y -q chromium chromium-driver)
+
+test: $(VENV)/.installed-test chromium
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
 
