@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -150,6 +150,7 @@ def cohort_quarantined(
     round_number: int,
     select: Any = None,
     start_models: Mapping[int, np.ndarray] | None = None,
+    new_model: Callable[[int, list[ClientUpdate], np.ndarray], np.ndarray] | None = None,
 ) -> tuple[dict[int, np.ndarray], CohortingOutcome]:
     """Group quarantined clients into new child cohorts (CLMA Algorithm 3).
 
@@ -158,6 +159,9 @@ def cohort_quarantined(
     identity when None) are cohorted by ``cohorter`` against the reference: the model
     the clients *started the round from* (``start_models[source]``; defaults to
     ``cohort_models[source]``, which is only right if it was not yet re-aggregated).
+    ``new_model(new_id, member_updates, reference)`` builds a new cohort's model (default:
+    FedAvg of the members' updates weighted by sample counts; under DP-FedAvg pass the DP
+    step, so a new cohort's model is released like every other cohort model).
     Each local group becomes a child cohort in ``registry`` (lineage: parent, round,
     reason "drift"); its model is the FedAvg of its members' updates. Returns the new
     cohort-model mapping and a :class:`CohortingOutcome`.
@@ -180,7 +184,11 @@ def cohort_quarantined(
         new_ids = registry.split(source, dict(groups), round_number, reason="drift")
         for local, new_id in sorted(new_ids.items()):
             ms = groups[local]
-            models[new_id] = fedavg([by_id[c].params for c in ms], [by_id[c].n_samples for c in ms])
+            if new_model is None:
+                models[new_id] = fedavg([by_id[c].params for c in ms],
+                                        [by_id[c].n_samples for c in ms])
+            else:
+                models[new_id] = new_model(new_id, [by_id[c] for c in ms], refs[source])
             outcome.new_cohorts[new_id] = ms
             outcome.parents[new_id] = source
         outcome.ks_statistics.update({c: float(assignment.ks_statistics[c]) for c in members})

@@ -27,6 +27,7 @@ from tasks.budget import (
     BudgetState,
     budgeted_evaluation,
     dp_aggregate_task,
+    dp_new_cohort_model,
     open_budget,
     report_budget_round,
 )
@@ -137,12 +138,15 @@ def round_flow(
             on_divergence(div)
     # div.flagged (representation signal) is the atypical set; div.weights is None for
     # action 'report', else flagged client -> FedAvg weight multiplier (0 for 'exclude').
+    new_model = None
     if cfg.training.dp.enabled:  # DP-FedAvg, charged to the training line (tasks/budget.py)
-        models, _ = dp_aggregate_task(fed, budget, updates, quarantined, start_models,
-                                      round_number, div.weights if div else None)
+        models, training = dp_aggregate_task(fed, budget, updates, quarantined, start_models,
+                                             round_number, div.weights if div else None)
+        new_model = dp_new_cohort_model(fed, training, round_number)  # new cohorts: DP too
     else:
         models = aggregate_task(updates, quarantined, start_models, div.weights if div else None)
-    models, outcome = cohort_task(fed, updates, quarantined, models, round_number, start_models)
+    models, outcome = cohort_task(fed, updates, quarantined, models, round_number, start_models,
+                                  new_model)
     models, merges = merge_task(fed, models, round_number)
     fed.cohort_models = {c: models[c] for c in fed.registry.active_cohorts()}
     fed.registry.record_round(round_number)

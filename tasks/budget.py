@@ -77,7 +77,7 @@ from clma.budget import (
     load_policy,
 )
 from clma.config import FederationConfig
-from clma.rounds import ClientUpdate, dp_aggregate_per_cohort
+from clma.rounds import ClientUpdate, dp_aggregate_per_cohort, dp_fedavg
 from clma.sim.federation import ClientEvaluation, SimulatedFederation
 from tasks import evaluate
 
@@ -495,6 +495,34 @@ def dp_aggregate_task(
         "n_clipped": sum(r.n_clipped for r in results.values()),
         "noise_source": "seeded-simulation" if seed is not None else "opendp",
     }
+
+
+def dp_new_cohort_model(fed: SimulatedFederation, training: Mapping[str, Any],
+                        round_number: int) -> Callable[[int, list[ClientUpdate], np.ndarray],
+                                                       np.ndarray]:
+    """The ``new_model`` hook of :func:`clma.rounds.cohort_quarantined` under DP-FedAvg.
+
+    A cohort created this round releases its model through the same DP step as every
+    other cohort (:func:`clma.rounds.dp_fedavg` on its members' updates against the
+    source cohort's start model); its clients are disjoint from the cohorts already
+    aggregated, so the round's single training charge covers it. When training backed off
+    (``training["status"] == "backed_off"``), the new cohort starts from the source
+    model unchanged (nothing is released). Noise: seeded per (seed, round, cohort) when
+    ``training.dp.noise_seeded``, else OpenDP (a crash re-run redraws it: not stored in
+    the ledger).
+    """
+    dp = fed.config.training.dp
+
+    def build(new_id: int, members: list[ClientUpdate], reference: np.ndarray) -> np.ndarray:
+        if training.get("status") == "backed_off":
+            return np.asarray(reference, dtype=np.float32).copy()
+        seed = (np.random.default_rng([fed.config.seed, round_number, 223, int(new_id)])
+                if dp.noise_seeded else None)
+        return dp_fedavg([u.params for u in members], reference,
+                         clipping_bound=dp.clipping_bound,
+                         noise_multiplier=dp.noise_multiplier, seed=seed).model
+
+    return build
 
 
 # --------------------------------------------------------------------------- reporting

@@ -137,6 +137,7 @@ def cohort_task(
     cohort_models: Mapping[int, np.ndarray],
     round_number: int,
     start_models: Mapping[int, np.ndarray],
+    new_model: Any = None,
 ) -> tuple[dict[int, np.ndarray], CohortingOutcome]:
     """CLMA Algorithm 3 on the quarantined clients: new child cohorts in the registry.
 
@@ -147,7 +148,7 @@ def cohort_task(
         return dict(cohort_models), CohortingOutcome()
     return cohort_quarantined(
         updates, quarantined, cohort_models, fed.registry, make_cohorter(fed.config),
-        round_number, select=_selector_fn(fed), start_models=start_models,
+        round_number, select=_selector_fn(fed), start_models=start_models, new_model=new_model,
     )
 
 

@@ -296,3 +296,39 @@ def test_ledger_round_maps_flow_rounds_from_one_to_ledger_rounds_from_zero():
     assert ledger_round(1) == 0 and ledger_round(10) == 9
     with pytest.raises(ValueError, match="round_number"):
         ledger_round(0)
+
+
+def test_new_cohorts_under_dp_are_released_through_the_dp_step(tmp_path):
+    """A cohort created by cohorting under DP-FedAvg gets the DP step's model (clipped,
+    noised), never the plain mean of its members; nothing is released when training
+    backed off."""
+    from clma.cohort import CohortRegistry
+    from clma.rounds import cohort_quarantined, fedavg
+    from tasks.budget import dp_new_cohort_model
+    from tasks.round import make_cohorter
+
+    fed = make_fed(tmp_path, write_policy(tmp_path, epsilon_cap=1000.0), enabled=True,
+                   clipping_bound=0.5, noise_multiplier=1.0, noise_seeded=True)
+    rng = np.random.default_rng(0)
+    ref = rng.normal(size=400).astype(np.float32)
+    shift = np.zeros(400, np.float32)
+    shift[:200] = 1.0
+    ups = [ClientUpdate(c, 0, (ref + s * shift + 0.01 * rng.normal(size=400)).astype(np.float32),
+                        10, True) for c, s in ((0, 1), (1, 1), (2, 1), (3, -1), (4, -1), (5, -1))]
+    reg = CohortRegistry()
+    reg.create_root([0, 1, 2, 3, 4, 5], 0)
+    hook = dp_new_cohort_model(fed, {"status": "aggregated"}, 3)
+    models, out = cohort_quarantined(ups, [0, 1, 2, 3, 4, 5], {0: ref}, reg,
+                                     make_cohorter(fed.config), 3, start_models={0: ref},
+                                     new_model=hook)
+    assert len(out.new_cohorts) == 2
+    by = {u.client_id: u for u in ups}
+    for cid, members in out.new_cohorts.items():
+        literal = dp_fedavg([by[c].params for c in members], ref, clipping_bound=0.5,
+                            noise_multiplier=1.0,
+                            seed=np.random.default_rng([fed.config.seed, 3, 223, cid])).model
+        np.testing.assert_array_equal(models[cid], literal)
+        plain = fedavg([by[c].params for c in members], [10] * len(members))
+        assert not np.allclose(models[cid], plain)  # not the un-noised, unclipped mean
+    backed = dp_new_cohort_model(fed, {"status": "backed_off"}, 3)
+    np.testing.assert_array_equal(backed(9, [ups[0]], ref), ref)
