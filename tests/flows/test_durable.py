@@ -5,6 +5,7 @@ of the same config, with every round exactly once and no budget charged twice.""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -56,10 +57,17 @@ def runs(tmp_path_factory, prefect_harness):
     log = open(tmp / "clma.log", "ab")  # noqa: SIM115
     t0 = time.perf_counter()
     # 1. killed after round 2 was fully logged, before its commit (failpoint)
-    r1 = subprocess.run(
+    # own session: the failpoint SIGKILLs only the clma process, so its temporary Prefect
+    # API server (a child) is then stopped with the rest of the group, not left orphaned
+    r1 = subprocess.Popen(
         [CLMA, "run", "--config", str(TINY), "--state-dir", str(state), "--out", str(out),
          "--quiet"], env=_env(tmp, uri, CLMA_FAILPOINT="kill-before-commit:2"),
-        stdout=log, stderr=log, timeout=400)
+        stdout=log, stderr=log, start_new_session=True)
+    try:
+        r1.wait(timeout=400)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(r1.pid, signal.SIGKILL)
     assert r1.returncode == -signal.SIGKILL
     assert _committed(state) == 1
     # 2. resumed, then SIGKILLed in the middle of round 3 (round 2 committed, 3 started)
