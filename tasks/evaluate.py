@@ -99,7 +99,6 @@ __all__ = [
     "draw_planned",
     "finish_evaluation",
     "planned_releases",
-    "release_planned",
     "restore_planned",
     "log_evaluation",
     "plan_releases",
@@ -901,14 +900,6 @@ def restore_planned(fed: SimulatedFederation, evaluations: Sequence[Any], round_
             agg = _from_published(rel, data, ctx.sums.groups[region])
         out[region] = _record(fed, ctx.sums, rel, agg, ctx.draws)
     return {"releases": out}
-
-
-def release_planned(fed: SimulatedFederation, evaluations: Sequence[Any], round_number: int,
-                    plan: Any) -> dict[str, Any]:
-    """Draw and record one granted ledger entry (no ledger in between); returns its
-    published view ``{"releases": {group: published}}`` (JSON-able, no counts)."""
-    payload = draw_planned(fed, evaluations, round_number, plan)
-    return restore_planned(fed, evaluations, round_number, plan, payload)
 
 
 def finish_evaluation(fed: SimulatedFederation, client_ids: Sequence[int], round_number: int,
