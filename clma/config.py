@@ -297,16 +297,20 @@ class EvaluationConfig(_Strict):
 class DivergenceConfig(_Strict):
     """Atypical-client scoring on the shared probe set (representation-level divergence).
 
-    ``action``: what the round does with the clients the representation signal flags
-    (robust z > ``z_threshold``): ``report`` (log only, aggregation unchanged),
-    ``downweight`` (their FedAvg weight is multiplied by ``downweight_factor``) or
-    ``exclude`` (FedAvg weight 0). The parameter-space baseline is always report-only.
+    ``action``: what the round does with the flagged clients (robust z > ``z_threshold``):
+    ``report`` (log only, aggregation unchanged), ``downweight`` (their FedAvg weight is
+    multiplied by ``downweight_factor``) or ``exclude`` (FedAvg weight 0). ``signal``: whose
+    flags count: ``representation`` (the default, issue 6), ``parameter`` (the leave-one-out
+    cosine baseline, the stronger signal in ``clma experiment atypical-client``), ``either``
+    (union) or ``both`` (intersection). Both signals are scored and logged every round
+    whatever ``signal`` is.
     """
 
     enabled: bool = True
     beta: Annotated[float, Field(ge=0.0)] = 1.0
     z_threshold: Annotated[float, Field(gt=0.0)] = 3.0
     action: Literal["report", "downweight", "exclude"] = "report"
+    signal: Literal["representation", "parameter", "either", "both"] = "representation"
     downweight_factor: Annotated[float, Field(gt=0.0, lt=1.0)] = Field(
         default=0.5,
         description="FedAvg weight multiplier of a flagged client when action='downweight'.",

@@ -12,11 +12,13 @@ Two signals, computed on the same round from the same updates:
   to the *leave-one-out* mean update of the other clients (unweighted), with the same robust
   z and threshold (:func:`clma.divergence.parameter_baseline` with ``leave_one_out=True``:
   without it the mean includes the client itself, and one huge outlier drags the mean
-  towards itself and can rank *lowest*). The baseline is report-only.
+  towards itself and can rank *lowest*).
 
-The representation signal's flagged set drives ``divergence.action``: ``report`` leaves
-aggregation unchanged (weights ``None``); ``downweight`` multiplies a flagged client's FedAvg
-weight by ``divergence.downweight_factor`` (default 0.5); ``exclude`` sets it to 0.
+``divergence.signal`` picks whose flags count (:func:`flagged_by`): ``representation``
+(default), ``parameter``, ``either`` (union) or ``both`` (intersection). That flagged set
+drives ``divergence.action``: ``report`` leaves aggregation unchanged (weights ``None``);
+``downweight`` multiplies a flagged client's FedAvg weight by ``divergence.downweight_factor``
+(default 0.5); ``exclude`` sets it to 0.
 
 Privacy: :meth:`DivergenceOutcome.summary` (what goes to MLflow and the round record) holds
 distribution statistics and counts only, never a client id. The full reports (client id ->
@@ -83,6 +85,8 @@ class DivergenceOutcome:
     Attributes:
         round: round number.
         action: ``report`` | ``downweight`` | ``exclude`` (from the config).
+        signal: ``representation`` | ``parameter`` | ``either`` | ``both``: whose flags
+            count (from the config).
         representation: representation-signal report (client id -> ``D_c``, z, flagged).
         parameter: parameter-baseline report (leave-one-out cosine distance, z, flagged).
         probe_sha256: :func:`clma.divergence.probe_digest` of the probe set used.
@@ -93,6 +97,7 @@ class DivergenceOutcome:
 
     round: int
     action: str
+    signal: str
     representation: DivergenceReport
     parameter: DivergenceReport
     probe_sha256: str
@@ -101,18 +106,38 @@ class DivergenceOutcome:
 
     @property
     def flagged(self) -> list[int]:
-        """Clients flagged by the representation signal (drives ``action``), sorted."""
-        return [int(c) for c in self.representation.flagged]
+        """Clients flagged under ``signal`` (they drive ``action``), sorted."""
+        return flagged_by(self.signal, self.representation, self.parameter)
 
     def summary(self) -> dict[str, Any]:
         """Id-free summary for the round record and MLflow (no client ids, counts only)."""
         return {
             "action": self.action,
+            "signal": self.signal,
+            "n_flagged": len(self.flagged),
             "probe_sha256": self.probe_sha256,
             "representation": _report_summary(self.representation),
             "parameter": {**_report_summary(self.parameter), "leave_one_out": True},
             "n_reweighted": 0 if self.weights is None else len(self.weights),
         }
+
+
+def flagged_by(
+    signal: str, representation: DivergenceReport, parameter: DivergenceReport
+) -> list[int]:
+    """Sorted client ids flagged under ``signal``.
+
+    ``representation`` / ``parameter``: that report's flagged set; ``either``: their union;
+    ``both``: their intersection. Raises ``ValueError`` for another signal.
+    """
+    rep = {int(c) for c in representation.flagged}
+    par = {int(c) for c in parameter.flagged}
+    sets = {"representation": rep, "parameter": par, "either": rep | par, "both": rep & par}
+    if signal not in sets:
+        raise ValueError(
+            "divergence.signal must be 'representation', 'parameter', 'either' or 'both'"
+        )
+    return sorted(sets[signal])
 
 
 def probe_sha256(fed: SimulatedFederation) -> str:
@@ -218,10 +243,12 @@ def score_divergence(
     return DivergenceOutcome(
         round=int(round_number),
         action=cfg.action,
+        signal=cfg.signal,
         representation=representation,
         parameter=parameter,
         probe_sha256=scorer.probe_sha256,
-        weights=aggregation_weights(representation.flagged, cfg.action, cfg.downweight_factor),
+        weights=aggregation_weights(flagged_by(cfg.signal, representation, parameter),
+                                    cfg.action, cfg.downweight_factor),
         cohorts={int(u.client_id): int(u.cohort_id) for u in updates},
     )
 

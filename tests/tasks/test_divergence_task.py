@@ -15,19 +15,24 @@ from clma.divergence import activation_patterns, affinities, hierarchical_diverg
 from clma.params import AllParams, model_to_vector, vector_to_model
 from clma.rounds import ClientUpdate, fedavg
 from clma.sim.federation import build_federation, train_clients
-from tasks.divergence import aggregation_weights, probe_sha256, score_divergence_task
+from tasks.divergence import (
+    aggregation_weights,
+    flagged_by,
+    probe_sha256,
+    score_divergence_task,
+)
 from tasks.round import aggregate_task
 
 N_CLIENTS = 8
 ODD = 3  # the client whose first layer is re-randomised
 
 
-def _fed(action: str = "report", clients: int = N_CLIENTS):
+def _fed(action: str = "report", clients: int = N_CLIENTS, signal: str = "representation"):
     cfg = validate_config({
         "name": "div-task", "seed": 5, "rounds": 2, "clients": clients,
         "data": {"probe_size": 48},
         "training": {"local_epochs": 1},
-        "divergence": {"action": action, "z_threshold": 3.0, "beta": 1.0},
+        "divergence": {"action": action, "z_threshold": 3.0, "beta": 1.0, "signal": signal},
         "tracking": {"enabled": False},
     })
     return build_federation(cfg)
@@ -143,6 +148,46 @@ def test_action_weights_reach_aggregation(scored, action, factor):
             agg, fedavg([u.params for u in others], [u.n_samples for u in others]))
     plain = aggregate_task.fn(updates, [], start, None)[0]
     assert not np.array_equal(agg, plain)
+
+
+def _report(scores):
+    from clma.divergence import build_report
+
+    return build_report("parameter_cosine", list(range(len(scores))), np.asarray(scores, float),
+                        3.0)
+
+
+def test_flagged_by_rules():
+    rep = _report([0.0, 0.1, 0.2, 0.1, 0.15, 0.12, 10.0, 9.0])  # flags 6, 7
+    par = _report([9.0, 0.1, 0.2, 0.1, 0.15, 0.12, 10.0, 0.11])  # flags 0, 6
+    assert rep.flagged == [6, 7] and par.flagged == [0, 6]
+    assert flagged_by("representation", rep, par) == [6, 7]
+    assert flagged_by("parameter", rep, par) == [0, 6]
+    assert flagged_by("either", rep, par) == [0, 6, 7]
+    assert flagged_by("both", rep, par) == [6]
+    with pytest.raises(ValueError, match="divergence.signal"):
+        flagged_by("any", rep, par)
+
+
+@pytest.mark.parametrize("signal", ["representation", "parameter", "either", "both"])
+def test_signal_picks_whose_flags_drive_the_action(scored, signal):
+    _, updates, start, base = scored
+    out = score_divergence_task.fn(_fed("exclude", signal=signal), updates, start, 1)
+    want = flagged_by(signal, base.representation, base.parameter)
+    assert out.flagged == want
+    assert out.weights == (dict.fromkeys(want, 0.0) or None)
+    assert out.summary()["signal"] == signal
+    assert out.summary()["n_flagged"] == len(want)
+    # both signals are still scored and reported whatever drives the action
+    assert out.representation.flagged == base.representation.flagged
+    assert out.parameter.flagged == base.parameter.flagged
+
+
+def test_signal_is_validated():
+    from clma.config import ConfigError
+
+    with pytest.raises(ConfigError, match="divergence.signal"):
+        validate_config({"name": "x", "divergence": {"signal": "any"}})
 
 
 def test_aggregation_weights_rules():
