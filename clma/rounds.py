@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -151,6 +151,8 @@ def cohort_quarantined(
     select: Any = None,
     start_models: Mapping[int, np.ndarray] | None = None,
     new_model: Callable[[int, list[ClientUpdate], np.ndarray], np.ndarray] | None = None,
+    weights: Mapping[int, float] | None = None,
+    atypical: Collection[int] = (),
 ) -> tuple[dict[int, np.ndarray], CohortingOutcome]:
     """Group quarantined clients into new child cohorts (CLMA Algorithm 3).
 
@@ -165,8 +167,20 @@ def cohort_quarantined(
     Each local group becomes a child cohort in ``registry`` (lineage: parent, round,
     reason "drift"); its model is the FedAvg of its members' updates. Returns the new
     cohort-model mapping and a :class:`CohortingOutcome`.
+
+    Atypical clients (issue 6): ``weights`` (client id -> FedAvg weight multiplier, as in
+    :func:`aggregate_per_cohort`) scales a member's share of its new cohort's first model,
+    so ``downweight`` / ``exclude`` act on new cohorts as on existing ones; with ``new_model``
+    (DP-FedAvg) members of weight 0 are left out and other multipliers are ignored (the DP
+    step averages clipped updates unweighted). A new cohort whose members all weigh 0 starts
+    from the reference (its source's start model). Membership is not changed: an atypical
+    client still joins the cohort its update clusters with, because a drifted client is
+    atypical for its old cohort by construction and must not be stranded there.
+    ``atypical`` (the round's flagged clients) is counted per source in
+    ``outcome.diagnostics[source]["n_atypical"]``.
     """
     pick = select if select is not None else (lambda v: v)
+    flagged = {int(c) for c in atypical}
     by_id = {u.client_id: u for u in updates}
     by_source: dict[int, list[int]] = defaultdict(list)
     for c in sorted(quarantined):
@@ -184,15 +198,22 @@ def cohort_quarantined(
         new_ids = registry.split(source, dict(groups), round_number, reason="drift")
         for local, new_id in sorted(new_ids.items()):
             ms = groups[local]
-            if new_model is None:
+            share = [1.0 if weights is None else float(weights.get(c, 1.0)) for c in ms]
+            if not any(share):
+                models[new_id] = np.asarray(refs[source], dtype=np.float32).copy()
+            elif new_model is None:
                 models[new_id] = fedavg([by_id[c].params for c in ms],
-                                        [by_id[c].n_samples for c in ms])
+                                        [by_id[c].n_samples * w for c, w in zip(ms, share,
+                                                                                 strict=True)])
             else:
-                models[new_id] = new_model(new_id, [by_id[c] for c in ms], refs[source])
+                models[new_id] = new_model(
+                    new_id, [by_id[c] for c, w in zip(ms, share, strict=True) if w > 0],
+                    refs[source])
             outcome.new_cohorts[new_id] = ms
             outcome.parents[new_id] = source
         outcome.ks_statistics.update({c: float(assignment.ks_statistics[c]) for c in members})
-        outcome.diagnostics[source] = {"n_quarantined": len(members), "n_groups": len(groups)}
+        outcome.diagnostics[source] = {"n_quarantined": len(members), "n_groups": len(groups),
+                                       "n_atypical": len(set(members) & flagged)}
     return models, outcome
 
 

@@ -136,7 +136,7 @@ def round_flow(
         div = score_divergence_task(fed, updates, start_models, round_number)
         if on_divergence is not None:
             on_divergence(div)
-    # div.flagged (representation signal) is the atypical set; div.weights is None for
+    # div.flagged (under divergence.signal) is the atypical set; div.weights is None for
     # action 'report', else flagged client -> FedAvg weight multiplier (0 for 'exclude').
     new_model = None
     if cfg.training.dp.enabled:  # DP-FedAvg, charged to the training line (tasks/budget.py)
@@ -146,7 +146,8 @@ def round_flow(
     else:
         models = aggregate_task(updates, quarantined, start_models, div.weights if div else None)
     models, outcome = cohort_task(fed, updates, quarantined, models, round_number, start_models,
-                                  new_model)
+                                  new_model, div.weights if div else None,
+                                  div.flagged if div else ())
     models, merges = merge_task(fed, models, round_number)
     fed.cohort_models = {c: models[c] for c in fed.registry.active_cohorts()}
     fed.registry.record_round(round_number)
@@ -187,7 +188,12 @@ def round_flow(
         regional=regional,
         truth=_truth(fed, evaluations, drifted_now),
         seconds=time.perf_counter() - t0,
-        divergence=div.summary() if div is not None else None,
+        divergence=None if div is None else {
+            **div.summary(),
+            # quarantined (drift-flagged) clients that the divergence signal flagged too
+            "quarantined_atypical": sum(d.get("n_atypical", 0)
+                                        for d in outcome.diagnostics.values()),
+        },
         evaluation=evaluation,
     )
 
@@ -217,6 +223,8 @@ def _round_metrics(rec: RoundRecord) -> dict[str, float]:
                 v = rec.divergence[signal][k]
                 if v is not None:
                     m[f"divergence.{signal}.{k}"] = v
+        m["divergence.n_flagged"] = rec.divergence["n_flagged"]  # under divergence.signal
+        m["divergence.quarantined_atypical"] = rec.divergence["quarantined_atypical"]
     return m
 
 

@@ -138,17 +138,23 @@ def cohort_task(
     round_number: int,
     start_models: Mapping[int, np.ndarray],
     new_model: Any = None,
+    weights: Mapping[int, float] | None = None,
+    atypical: Sequence[int] = (),
 ) -> tuple[dict[int, np.ndarray], CohortingOutcome]:
     """CLMA Algorithm 3 on the quarantined clients: new child cohorts in the registry.
 
     ``start_models`` are the cohort models the clients started this round from (the KS
-    reference); ``cohort_models`` the models after this round's aggregation.
+    reference); ``cohort_models`` the models after this round's aggregation. ``weights`` and
+    ``atypical`` are the round's divergence outcome (``DivergenceOutcome.weights`` /
+    ``.flagged``): the action reaches new cohorts' first models too
+    (:func:`clma.rounds.cohort_quarantined`).
     """
     if not quarantined:
         return dict(cohort_models), CohortingOutcome()
     return cohort_quarantined(
         updates, quarantined, cohort_models, fed.registry, make_cohorter(fed.config),
         round_number, select=_selector_fn(fed), start_models=start_models, new_model=new_model,
+        weights=weights, atypical=atypical,
     )
 
 

@@ -170,7 +170,53 @@ def test_cohort_quarantined_splits_opposite_families_with_lineage():
     assert sorted(split[0].children) == sorted(outcome.new_cohorts)
     assert reg.members(0) == [0, 1, 2, 3]  # stable clients stay in the parent
     np.testing.assert_array_equal(models[0], post[0])  # parent model untouched here
-    assert outcome.diagnostics[0] == {"n_quarantined": 6, "n_groups": 2}
+    assert outcome.diagnostics[0] == {"n_quarantined": 6, "n_groups": 2, "n_atypical": 0}
+
+
+def _split(weights=None, atypical=(), new_model=None):
+    start, ups, post = _families()
+    reg = CohortRegistry()
+    reg.create_root(list(range(10)), 0)
+    models, outcome = cohort_quarantined(ups, quarantine(ups), post, reg, CLMACohorter(),
+                                         round_number=3, start_models={0: start},
+                                         new_model=new_model, weights=weights,
+                                         atypical=atypical)
+    by_members = {tuple(sorted(m)): models[k] for k, m in outcome.new_cohorts.items()}
+    return start, {u.client_id: u for u in ups}, by_members, outcome
+
+
+def test_cohort_quarantined_applies_divergence_weights_to_new_cohort_models():
+    _, by, plain, _ = _split()
+    start, _, weighted, outcome = _split(weights={4: 0.0, 7: 0.5, 1: 0.0},
+                                         atypical=[4, 7, 1])
+    assert sorted(weighted) == sorted(plain) == [(4, 5, 6), (7, 8, 9)]  # membership unchanged
+    np.testing.assert_array_equal(
+        weighted[(4, 5, 6)], fedavg([by[5].params, by[6].params],
+                                    [by[5].n_samples, by[6].n_samples]))
+    np.testing.assert_array_equal(
+        weighted[(7, 8, 9)], fedavg([by[c].params for c in (7, 8, 9)],
+                                    [by[7].n_samples * 0.5, by[8].n_samples, by[9].n_samples]))
+    assert not np.array_equal(weighted[(7, 8, 9)], plain[(7, 8, 9)])
+    # client 1 is flagged but was not quarantined: it does not count here
+    assert outcome.diagnostics[0] == {"n_quarantined": 6, "n_groups": 2, "n_atypical": 2}
+
+
+def test_cohort_quarantined_all_excluded_group_starts_from_the_reference():
+    start, _, models, _ = _split(weights={4: 0.0, 5: 0.0, 6: 0.0})
+    np.testing.assert_array_equal(models[(4, 5, 6)], start)
+    assert models[(4, 5, 6)].dtype == np.float32
+
+
+def test_cohort_quarantined_new_model_hook_gets_only_members_of_positive_weight():
+    seen = {}
+
+    def hook(new_id, members, reference):
+        seen[tuple(sorted(u.client_id for u in members))] = reference
+        return np.asarray(reference, np.float32) + len(members)
+
+    start, _, models, _ = _split(weights={4: 0.0, 8: 0.5}, new_model=hook)
+    assert sorted(seen) == [(5, 6), (7, 8, 9)]  # 4 excluded; 8's 0.5 is the hook's business
+    np.testing.assert_array_equal(models[(4, 5, 6)], start + 2)
 
 
 def test_cohort_quarantined_ks_reference_is_the_start_model():
