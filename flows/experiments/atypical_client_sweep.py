@@ -1,0 +1,407 @@
+"""Sweep behind issue 6's negative result: which scoring, training, model or probe changes it?
+
+``clma experiment atypical-client`` runs the production round (CLMA cohorting, Prefect tasks,
+MLflow) and finds that the representation signal does not single out a perturbed client in
+>= 80 % of rounds. This sweep asks whether that is a property of one choice we made, by
+re-running the same federations (digits, ``--clients`` clients, Dirichlet ``alpha``, client 0
+perturbed from round 1 by Gaussian noise, rotation or blur at the experiment's magnitudes) in a
+plain FedAvg loop (one cohort, no cohorting, so every client always scores against the same
+global model) under several *regimes* and scoring every round with several *scores*.
+
+Regimes (:data:`REGIMES`; one changed factor each against ``default``):
+
+* ``default``: the product's training (5 local epochs, SGD lr 0.3, batch 16), MLP [64, 32],
+  128 clean probe samples (the experiment's setting);
+* ``gentle-sgd``: lr 0.05 (no client's update norm exceeds twice the round's median: the
+  default lr produces such spikes in ~10 % of client-rounds, and a spiking regular client is
+  genuinely atypical);
+* ``wide-mlp``: MLP [256, 128] (finer activation patterns);
+* ``probe-256``: 256 clean probe samples;
+* ``uniform-probe``: 128 probe inputs drawn uniformly from [0, 1]^64 (the partition of the
+  input space around, not on, the data).
+
+Scores (:data:`SCORES`; robust z across the round's clients for each):
+
+* ``representation``: ``D_hier`` of the local model to the round's start model (issue 6 item 4,
+  what the production round computes);
+* ``representation_aggregate``: ``D_hier`` to the round's FedAvg aggregate of all clients;
+* ``representation_consensus``: ``D_hier`` between the client's affinities and the mean of
+  the *other* clients' affinities, layer by layer (leave-one-out consensus);
+* ``representation_pairwise_median``: median over the other clients of ``D_hier`` between the
+  two local models;
+* ``representation_update_cosine``: cosine distance of the client's affinity change
+  (upper triangles of ``K_l(local) - K_l(start)``, all layers) to the mean change of the others
+  (the representation-space analogue of the parameter baseline);
+* ``representation_cumulative_z``: mean of the client's ``representation`` z over rounds
+  ``1..r`` (persistence: a client shifted for good keeps scoring high);
+* ``parameter``: the parameter baseline (cosine distance of the update to the leave-one-out mean
+  update), as in the production round.
+
+Reported per (regime, score): the fraction of rounds ``2..R`` in which the perturbed client has
+strictly the highest z, per (alpha, perturbation), averaged over ``--seeds``, and the number of
+(alpha in {10, 1}) x perturbation cells where that mean reaches the issue's 0.8. MLflow: one run
+in experiment ``--experiment`` (default ``atypical-client-sweep``) with the tables as artifacts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+DESCRIPTION = (
+    "issue 6 sweep: representation-score variants, training, width and probe regimes vs the "
+    "parameter baseline (plain FedAvg, one perturbed client among 10)"
+)
+
+PERTURBATIONS = ("gaussian_noise", "rotation", "blur")
+MAGNITUDE = {"gaussian_noise": 0.3, "rotation": 45.0, "blur": 1.0}
+TARGET_ALPHAS = (10.0, 1.0)
+TARGET_TOP1 = 0.8
+
+SCORES = (
+    "representation",
+    "representation_aggregate",
+    "representation_consensus",
+    "representation_pairwise_median",
+    "representation_update_cosine",
+    "representation_cumulative_z",
+    "parameter",
+)
+
+
+@dataclass(frozen=True)
+class Regime:
+    """Training, model and probe of one sweep regime."""
+
+    local_epochs: int = 5
+    learning_rate: float = 0.3
+    batch_size: int = 16
+    hidden: tuple[int, ...] = (64, 32)
+    probe_size: int = 128
+    probe: str = "clean"  # "clean": the federation's held-out probe; "uniform": U[0, 1] inputs
+
+
+REGIMES: dict[str, Regime] = {
+    "default": Regime(),
+    "gentle-sgd": Regime(learning_rate=0.05),
+    "wide-mlp": Regime(hidden=(256, 128)),
+    "probe-256": Regime(probe_size=256),
+    "uniform-probe": Regime(probe="uniform"),
+}
+
+CELL_COLUMNS = ["regime", "score", "alpha", "perturbation", "seed", "top1_fraction", "auc",
+                "mean_z_shifted", "rounds_scored", "update_spikes"]
+
+
+# ------------------------------------------------------------------------------ scoring
+
+
+def cosine_distance_to_others(rows: np.ndarray) -> np.ndarray:
+    """``1 - cos(rows[i], mean of the other rows)`` for every row ``i``.
+
+    Args:
+        rows: ``(n, m)`` float array, ``n >= 2``.
+
+    Returns:
+        ``(n,)`` float64 in ``[0, 2]``; ``nan`` where a row or the others' mean is zero.
+    """
+    rows = np.asarray(rows, dtype=np.float64)
+    n = rows.shape[0]
+    total = rows.sum(axis=0)
+    out = np.empty(n)
+    for i in range(n):
+        others = (total - rows[i]) / (n - 1)
+        den = np.linalg.norm(rows[i]) * np.linalg.norm(others)
+        out[i] = 1.0 - float(rows[i] @ others) / den if den > 0 else math.nan
+    return out
+
+
+def round_scores(
+    start_aff: Sequence[np.ndarray],
+    client_aff: Sequence[Sequence[np.ndarray]],
+    aggregate_aff: Sequence[np.ndarray],
+    updates: np.ndarray,
+    beta: float,
+) -> dict[str, np.ndarray]:
+    """Raw per-client scores of one round (all but the cumulative one), client order kept.
+
+    Args:
+        start_aff: ``L`` ``(P, P)`` affinities of the round's start (global) model.
+        client_aff: per client, its ``L`` affinities after local training (``n >= 3``).
+        aggregate_aff: ``L`` affinities of the round's FedAvg aggregate.
+        updates: ``(n, n_params)`` client updates (local - start).
+        beta: hierarchical attenuation (:func:`clma.divergence.hierarchical_divergence`).
+
+    Returns:
+        score name -> ``(n,)`` float64 raw score (higher = more atypical).
+    """
+    from clma.divergence import cosine_distance_to_mean, hierarchical_divergence
+
+    n = len(client_aff)
+    layers = len(start_aff)
+    out: dict[str, np.ndarray] = {
+        "representation": np.array(
+            [hierarchical_divergence(start_aff, k, beta=beta) for k in client_aff]),
+        "representation_aggregate": np.array(
+            [hierarchical_divergence(aggregate_aff, k, beta=beta) for k in client_aff]),
+    }
+    sums = [sum(k[layer] for k in client_aff) for layer in range(layers)]
+    out["representation_consensus"] = np.array([
+        hierarchical_divergence([(sums[layer] - k[layer]) / (n - 1) for layer in range(layers)],
+                                k, beta=beta)
+        for k in client_aff])
+    pair = np.zeros((n, n))
+    for i in range(n):
+        for j in range(i + 1, n):
+            pair[i, j] = pair[j, i] = hierarchical_divergence(client_aff[i], client_aff[j],
+                                                              beta=beta)
+    out["representation_pairwise_median"] = np.array(
+        [np.median(np.delete(pair[i], i)) for i in range(n)])
+    iu = np.triu_indices(start_aff[0].shape[0], 1)
+    change = np.stack([np.concatenate([(k[layer] - start_aff[layer])[iu]
+                                       for layer in range(layers)]) for k in client_aff])
+    out["representation_update_cosine"] = cosine_distance_to_others(change)
+    out["parameter"] = cosine_distance_to_mean(updates, leave_one_out=True)
+    return out
+
+
+# ------------------------------------------------------------------------------ one cell
+
+
+def _probe(regime: Regime, fed_probe: np.ndarray, seed: int) -> np.ndarray:
+    if regime.probe == "clean":
+        return fed_probe
+    rng = np.random.default_rng([seed, 0x5EED])
+    return rng.uniform(0.0, 1.0, size=fed_probe.shape).astype(np.float32)
+
+
+def run_cell(regime_name: str, alpha: float, perturbation: str, seed: int, rounds: int,
+             clients: int, beta: float = 1.0, shifted: int = 0) -> list[dict[str, Any]]:
+    """One federation of the sweep: per-score top-1 fraction and AUC over rounds ``2..rounds``.
+
+    Returns one row per score (columns :data:`CELL_COLUMNS`).
+    """
+    import torch
+    from sklearn.metrics import roc_auc_score
+
+    from clma.config import default_config, validate_config
+    from clma.divergence import RepresentationScorer, robust_z
+    from clma.params import AllParams, vector_to_model
+    from clma.rounds import fedavg
+    from clma.sim.federation import build_federation, train_clients
+
+    torch.set_num_threads(1)
+    regime = REGIMES[regime_name]
+    base = default_config().model_dump()
+    cfg = validate_config({
+        **base,
+        "name": f"atypical-sweep-{regime_name}",
+        "seed": seed, "rounds": rounds, "clients": clients,
+        "data": {**base["data"], "partition": "dirichlet", "dirichlet_alpha": alpha,
+                 "probe_size": regime.probe_size},
+        "model": {"hidden": list(regime.hidden)},
+        "training": {**base["training"], "local_epochs": regime.local_epochs,
+                     "learning_rate": regime.learning_rate, "batch_size": regime.batch_size},
+        "drift": {**base["drift"], "events": [{
+            "round": 1, "kind": perturbation, "clients": [shifted], "family": perturbation,
+            "magnitude": MAGNITUDE[perturbation]}]},
+    })
+    fed = build_federation(cfg)
+    scorer = RepresentationScorer(_probe(regime, fed.probe_x, seed), beta=beta)
+
+    def module(vec: np.ndarray):
+        return vector_to_model(vec, fed.spec.build(), AllParams())
+
+    zs: dict[str, list[np.ndarray]] = {s: [] for s in SCORES}
+    spikes = 0
+    for rnd in range(1, rounds + 1):
+        fed.inject_drift(rnd)
+        ids = list(fed.client_ids)
+        results = train_clients([fed.clients[c] for c in ids], fed.models_for(ids),
+                                {c: 0 for c in ids}, fed.spec, cfg.training, 0.5, seed, rnd)
+        for res in results:
+            fed.clients[res.update.client_id].detector_state = res.detector_state
+        ups = [res.update for res in results]
+        if [u.client_id for u in ups] != list(range(clients)):
+            raise RuntimeError("sweep expects every client every round, in id order")
+        start = fed.cohort_models[0]
+        aggregate = fedavg([u.params for u in ups], [u.n_samples for u in ups])
+        updates = np.stack([u.params - start for u in ups])
+        norms = np.linalg.norm(updates, axis=1)
+        if rnd >= 2:
+            spikes += int((norms > 2.0 * np.median(norms)).sum())
+        raw = round_scores(
+            scorer.layer_affinities(module(start)),
+            [scorer.layer_affinities(module(u.params)) for u in ups],
+            scorer.layer_affinities(module(aggregate)),
+            updates, beta)
+        for name, values in raw.items():
+            zs[name].append(robust_z(values))
+        zs["representation_cumulative_z"].append(np.mean(zs["representation"], axis=0))
+        fed.cohort_models = {0: aggregate}
+
+    out = []
+    for name in SCORES:
+        z = np.array(zs[name][1:])  # rounds 2..R
+        others = np.delete(z, shifted, axis=1)
+        top = int(np.sum(z[:, shifted] > others.max(axis=1)))
+        labels = np.zeros_like(z, dtype=int)
+        labels[:, shifted] = 1
+        finite = np.isfinite(z).all()
+        out.append({
+            "regime": regime_name, "score": name, "alpha": alpha, "perturbation": perturbation,
+            "seed": seed, "top1_fraction": top / z.shape[0],
+            "auc": float(roc_auc_score(labels.ravel(), z.ravel())) if finite else math.nan,
+            "mean_z_shifted": float(np.mean(z[:, shifted])), "rounds_scored": z.shape[0],
+            "update_spikes": spikes,
+        })
+    return out
+
+
+# ------------------------------------------------------------------------------ tables
+
+
+def summarise(cells: list[dict[str, Any]], alphas: Sequence[float],
+              perturbations: Sequence[str]) -> list[dict[str, Any]]:
+    """One row per (regime, score): mean top-1 fraction over seeds per (alpha, perturbation),
+    mean AUC, and ``cells_at_target`` = cells with alpha in {10, 1} whose mean top-1 >= 0.8."""
+    rows = []
+    keys = sorted({(c["regime"], c["score"]) for c in cells},
+                  key=lambda k: (list(REGIMES).index(k[0]), SCORES.index(k[1])))
+    for regime, score in keys:
+        row: dict[str, Any] = {"regime": regime, "score": score}
+        at_target = 0
+        aucs = []
+        for a in alphas:
+            for p in perturbations:
+                sel = [c for c in cells if (c["regime"], c["score"], c["alpha"],
+                                            c["perturbation"]) == (regime, score, a, p)]
+                top = float(np.mean([c["top1_fraction"] for c in sel])) if sel else math.nan
+                aucs += [c["auc"] for c in sel]
+                row[f"a{a:g} {p}"] = top
+                if a in TARGET_ALPHAS and top >= TARGET_TOP1:
+                    at_target += 1
+        row["mean_auc"] = float(np.nanmean(aucs)) if aucs else math.nan
+        row["cells_at_target"] = at_target
+        rows.append(row)
+    return rows
+
+
+def to_markdown(rows: list[dict[str, Any]]) -> str:
+    """The summary as a GitHub Markdown table."""
+    if not rows:
+        return ""
+    cols = list(rows[0])
+    lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+    for r in rows:
+        lines.append("| " + " | ".join(
+            f"{r[c]:.2f}" if isinstance(r[c], float) else str(r[c]) for c in cols) + " |")
+    return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------------------ CLI
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", type=Path, default=Path("runs/atypical-client-sweep"),
+                        help="output folder (default: runs/atypical-client-sweep)")
+    parser.add_argument("--regimes", nargs="+", choices=list(REGIMES), default=list(REGIMES),
+                        help="regimes (default: all)")
+    parser.add_argument("--alphas", type=float, nargs="+", default=list(TARGET_ALPHAS),
+                        help="Dirichlet concentrations (default: 10 1)")
+    parser.add_argument("--perturbations", nargs="+", choices=PERTURBATIONS,
+                        default=list(PERTURBATIONS), help="perturbations (default: all three)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1],
+                        help="federation seeds (default: 0 1)")
+    parser.add_argument("--rounds", type=int, default=10, help="rounds (default 10)")
+    parser.add_argument("--clients", type=int, default=10, help="clients (default 10)")
+    parser.add_argument("--workers", type=int, default=2,
+                        help="worker processes (default 2)")
+    parser.add_argument("--experiment", default="atypical-client-sweep",
+                        help="MLflow experiment name (default atypical-client-sweep)")
+
+
+def _check(args: argparse.Namespace) -> str | None:
+    if args.rounds < 2:
+        return "--rounds must be >= 2 (rounds 2.. are scored)"
+    if args.clients < 3:
+        return "--clients must be >= 3 (robust z needs 3 clients)"
+    if args.workers < 1:
+        return "--workers must be >= 1"
+    if any(not (math.isfinite(a) and a > 0) for a in args.alphas):
+        return "--alphas must be finite and > 0"
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the sweep; print the summary table. Returns 0, or 2 on bad arguments."""
+    import sys
+
+    from prefect import flow, task
+
+    from tasks.tracking import FederationTracker
+
+    problem = _check(args)
+    if problem:
+        print(f"clma: {problem}", file=sys.stderr)
+        return 2
+    jobs = [(r, a, p, s, args.rounds, args.clients) for r in args.regimes for a in args.alphas
+            for p in args.perturbations for s in args.seeds]
+
+    @task(name="run-sweep-cells")
+    def run_cells() -> list[dict[str, Any]]:
+        if args.workers == 1:
+            return [row for job in jobs for row in run_cell(*job)]
+        with ProcessPoolExecutor(max_workers=args.workers) as pool:
+            return [row for rows in pool.map(run_cell, *zip(*jobs, strict=True))
+                    for row in rows]
+
+    @flow(name="atypical-client-sweep")
+    def sweep() -> tuple[list[dict[str, Any]], str]:
+        tracker = FederationTracker()
+        tracker.start(
+            args.experiment, run_name="atypical-client-sweep",
+            params={"regimes": json.dumps(args.regimes), "alphas": json.dumps(args.alphas),
+                    "perturbations": json.dumps(args.perturbations),
+                    "seeds": json.dumps(args.seeds), "rounds": str(args.rounds),
+                    "clients": str(args.clients)},
+            tags={"clma.experiment": "atypical-client-sweep", "clma.sim_truth_metrics": "true"},
+        )
+        status = "FAILED"
+        try:
+            cells = run_cells()
+            summary = summarise(cells, args.alphas, args.perturbations)
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "atypical_client_sweep.md").write_text(to_markdown(summary))
+            with (args.out / "atypical_client_sweep_cells.csv").open("w", newline="") as fh:
+                w = csv.DictWriter(fh, fieldnames=CELL_COLUMNS)
+                w.writeheader()
+                w.writerows(cells)
+            (args.out / "atypical_client_sweep.json").write_text(json.dumps({
+                "command": "clma experiment atypical-client-sweep",
+                "seeds": args.seeds, "rounds": args.rounds, "clients": args.clients,
+                "magnitudes": MAGNITUDE, "regimes": {k: asdict(REGIMES[k]) for k in args.regimes},
+                "summary": [{k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                             for k, v in row.items()} for row in summary],
+            }, indent=2) + "\n")
+            for name in ("atypical_client_sweep.md", "atypical_client_sweep_cells.csv",
+                         "atypical_client_sweep.json"):
+                tracker.log_artifact(str(args.out / name))
+            status = "FINISHED"
+        finally:
+            tracker.finish(status)
+        return summary, tracker.run_id
+
+    summary, run_id = sweep()
+    print(to_markdown(summary), end="")
+    print(f"table: {args.out / 'atypical_client_sweep.md'}  MLflow run: {run_id}")
+    return 0
