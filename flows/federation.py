@@ -10,6 +10,7 @@ evaluate-regions, log-round). It runs on the embedded default: with no
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import Callable
@@ -347,35 +348,44 @@ def federation_flow(
     session = FederationSession.open(  # durable state (None: off), lineage, dashboards
         config, state_dir, out_dir,
         require=None if resume is None else ("existing" if resume else "fresh"))
-    config = session.config  # with a state dir, the ledger lives in it
-    fed = build_federation(config)
-    first_round = session.restore(fed) + 1
-    budget = open_budget(config) if config.budget.enabled else None
-    prefect_id = str(flow_run.id) if flow_run.id else None
     tracker: FederationTracker | None = None
-    if config.tracking.enabled:
-        tracker = session.make_tracker()  # re-attaches to the federation's run on resume
-        tracker.start(
-            config.tracking.experiment or config.name,
-            run_name=f"{config.name}-seed{config.seed}",
-            params=config.flat_params(),
-            tags={
-                "clma.seed": str(config.seed),
-                "clma.config_fingerprint": config.fingerprint(),
-                "clma.region_partition.version": fed.partition.version,
-                "clma.region_partition.content_hash": fed.partition.content_hash,
-                "clma.prefect_flow_run_id": prefect_id or "",
-                "clma.cohorting": "clma" if config.cohort.enabled else "fedavg",
-                "clma.noise_source": "seeded-simulation"
-                if config.evaluation.noise_seeded
-                else "opendp",
-                "clma.sim_truth_metrics": "true",
-                "clma.probe_sha256": probe_sha256(fed),
-            },
-            parent_run_id=parent_mlflow_run_id,
-        )
-        if budget is not None:
-            tracker.set_tags(budget.tags())
+    try:  # set-up; the round loop's own try/finally releases everything after it
+        config = session.config  # with a state dir, the ledger lives in it
+        fed = build_federation(config)
+        first_round = session.restore(fed) + 1
+        budget = open_budget(config) if config.budget.enabled else None
+        prefect_id = str(flow_run.id) if flow_run.id else None
+        if config.tracking.enabled:
+            tracker = session.make_tracker()  # re-attaches to the federation's run on resume
+            tracker.start(
+                config.tracking.experiment or config.name,
+                run_name=f"{config.name}-seed{config.seed}",
+                params=config.flat_params(),
+                tags={
+                    "clma.seed": str(config.seed),
+                    "clma.config_fingerprint": config.fingerprint(),
+                    "clma.region_partition.version": fed.partition.version,
+                    "clma.region_partition.content_hash": fed.partition.content_hash,
+                    "clma.prefect_flow_run_id": prefect_id or "",
+                    "clma.cohorting": "clma" if config.cohort.enabled else "fedavg",
+                    "clma.noise_source": "seeded-simulation"
+                    if config.evaluation.noise_seeded
+                    else "opendp",
+                    "clma.sim_truth_metrics": "true",
+                    "clma.probe_sha256": probe_sha256(fed),
+                },
+                parent_run_id=parent_mlflow_run_id,
+            )
+            if budget is not None:
+                tracker.set_tags(budget.tags())
+    except BaseException:
+        # release the state-dir lock (a long-lived `clma serve` process would otherwise
+        # refuse every later run of this federation) and close the MLflow run if it opened
+        if tracker is not None:
+            with contextlib.suppress(Exception):
+                tracker.finish("FAILED")
+        session.close("FAILED")
+        raise
     records: list[RoundRecord] = []
     status = "FAILED"
     runner = ClientRunner()  # client tasks: thread pool, or Dask (tasks/scale_out.py)

@@ -101,6 +101,17 @@ def test_mlflow_run_holds_params_metrics_and_artifacts(small_run):
     assert {m.step: m.value for m in q}[3] == 6.0
     truth = client.get_metric_history(run.info.run_id, "sim_truth.stationary_accuracy")
     assert len(truth) == 5
+    # atypical clients: the acted-on count follows divergence.signal (default:
+    # representation); quarantined-and-flagged can only be non-zero when someone is quarantined
+    def by_step(key):
+        return {m.step: m.value for m in client.get_metric_history(run.info.run_id, key)}
+
+    acted = by_step("divergence.n_flagged")
+    assert sorted(acted) == [1, 2, 3, 4, 5]
+    assert acted == by_step("divergence.representation.n_flagged")
+    both = by_step("divergence.quarantined_atypical")
+    assert both[1] == both[2] == 0.0
+    assert 0.0 <= both[3] <= min(6.0, acted[3])
     arts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"cohort_history.json", "summary.json", "reports"} <= arts
     reports = {a.path for a in client.list_artifacts(run.info.run_id, "reports")}
@@ -140,3 +151,31 @@ def test_sqlite_store_keeps_artifacts_beside_the_database(tmp_path):
     db = tmp_path / "s" / "mlflow.db"
     assert _artifact_location(f"sqlite:///{db}") == (tmp_path / "s" / "artifacts").as_uri()
     assert _artifact_location("http://127.0.0.1:5000") is None
+
+
+def test_set_up_failure_releases_state_lock_and_fails_the_mlflow_run(
+        tmp_path, monkeypatch, prefect_harness):
+    """A failure after the state dir is locked and the MLflow run started, but before the
+    round loop, must not leave the lock held (a `clma serve` process would refuse every later
+    run of the federation) nor the MLflow run RUNNING."""
+    from clma.state import StateStore
+    from flows.federation import federation_flow
+    from mlflow import MlflowClient
+    from tasks.tracking import FederationTracker
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+
+    def boom(self, tags):
+        raise RuntimeError("set-up failed after the MLflow run started")
+
+    monkeypatch.setattr(FederationTracker, "set_tags", boom)
+    state = tmp_path / "state"
+    with pytest.raises(RuntimeError, match="set-up failed"):
+        federation_flow(load_config(SMALL), state_dir=str(state))
+    with StateStore(state).lock():  # raises StateLocked if the flow kept it
+        pass
+    client = MlflowClient(tracking_uri=uri)
+    (exp,) = [e for e in client.search_experiments() if e.name == "e2e-small"]
+    (run,) = client.search_runs([exp.experiment_id])
+    assert run.info.status == "FAILED"
