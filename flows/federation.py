@@ -28,6 +28,7 @@ from tasks.budget import (
     BudgetState,
     budgeted_evaluation,
     dp_aggregate_task,
+    dp_commit_training,
     dp_new_cohort_model,
     open_budget,
     report_budget_round,
@@ -140,6 +141,7 @@ def round_flow(
     # div.flagged (under divergence.signal) is the atypical set; div.weights is None for
     # action 'report', else flagged client -> FedAvg weight multiplier (0 for 'exclude').
     new_model = None
+    training = None
     if cfg.training.dp.enabled:  # DP-FedAvg, charged to the training line (tasks/budget.py)
         models, training = dp_aggregate_task(fed, budget, updates, quarantined, start_models,
                                              round_number, div.weights if div else None)
@@ -149,6 +151,8 @@ def round_flow(
     models, outcome = cohort_task(fed, updates, quarantined, models, round_number, start_models,
                                   new_model, div.weights if div else None,
                                   div.flagged if div else ())
+    if training is not None:  # commit the charge with every model released under DP
+        models = dp_commit_training(training, models, outcome.new_cohorts)
     models, merges = merge_task(fed, models, round_number)
     fed.cohort_models = {c: models[c] for c in fed.registry.active_cohorts()}
     fed.registry.record_round(round_number)

@@ -459,6 +459,14 @@ def dp_aggregate_task(
     Returns the new cohort models and ``{"status": "aggregated" | "republished" |
     "backed_off", "reason", "sigma": {cohort: sigma}, "n_clipped", "noise_source"}``.
     ``budget=None`` aggregates without charging (no ledger configured).
+
+    The charge is reserved (phase 1) before any noise is drawn but committed only by
+    :func:`dp_commit_training`, after cohorting, with every model the round releases under
+    DP (these cohorts and the cohorts created this round), so a crash re-run republishes
+    all of them and draws no new noise. Until then the info dict carries the reservation
+    (``"reservation"``, in memory only) and the released models (``"released"``); on a
+    re-run of a committed round, ``"stored_new"`` holds the stored models of the cohorts
+    created in that round (used by :func:`dp_new_cohort_model`).
     """
     cfg = fed.config
     dp = cfg.training.dp
@@ -474,8 +482,11 @@ def dp_aggregate_task(
             return dict(cohort_models), {"status": "backed_off", "reason": res.refusal}
         if res.already_committed and res.stored_result:
             models = dict(cohort_models)
-            models.update(_decode_models(res.stored_result))
-            return models, {"status": "republished", "reason": None}
+            stored = _decode_models(res.stored_result)
+            models.update({c: v for c, v in stored.items() if c in cohort_models})
+            return models, {"status": "republished", "reason": None,
+                            "stored_new": {c: v for c, v in stored.items()
+                                           if c not in cohort_models}}
     seed = (
         int(np.random.default_rng([cfg.seed, round_number, 211]).integers(2**31))
         if dp.noise_seeded else None
@@ -485,16 +496,42 @@ def dp_aggregate_task(
         updates, held, cohort_models, clipping_bound=dp.clipping_bound,
         noise_multiplier=dp.noise_multiplier, seed=seed,
     )
-    if res is not None:
-        stored = res.commit(_encode_models({c: models[c] for c in results}))
-        if stored is not None:
-            models.update(_decode_models(stored))
-    return models, {
+    info: dict[str, Any] = {
         "status": "aggregated", "reason": None,
         "sigma": {str(c): r.sigma for c, r in results.items()},
         "n_clipped": sum(r.n_clipped for r in results.values()),
         "noise_source": "seeded-simulation" if seed is not None else "opendp",
     }
+    if res is not None:  # committed by dp_commit_training, after cohorting
+        info["reservation"] = res
+        info["released"] = {c: models[c] for c in results}
+    return models, info
+
+
+def dp_commit_training(training: dict[str, Any], models: Mapping[int, np.ndarray],
+                       new_cohorts: Mapping[int, Any]) -> dict[int, np.ndarray]:
+    """Commit the round's training charge with every model it released (phase 2).
+
+    Args:
+        training: the info dict of :func:`dp_aggregate_task` (no reservation: nothing to
+            commit, e.g. backed off, republished or no ledger).
+        models: cohort id -> model after cohorting (float32 vectors).
+        new_cohorts: the cohorts created this round (``CohortingOutcome.new_cohorts``);
+            their models were released by :func:`dp_new_cohort_model`.
+
+    Returns:
+        ``models`` with the stored payload applied: if another attempt committed the same
+        key first, its models are the ones to publish.
+    """
+    res = training.pop("reservation", None)
+    out = dict(models)
+    if res is None:
+        return out
+    released = {**training.pop("released", {}), **{int(c): out[int(c)] for c in new_cohorts}}
+    stored = res.commit(_encode_models(released))
+    if stored is not None:
+        out.update({c: v for c, v in _decode_models(stored).items() if c in out})
+    return out
 
 
 def dp_new_cohort_model(fed: SimulatedFederation, training: Mapping[str, Any],
@@ -508,14 +545,18 @@ def dp_new_cohort_model(fed: SimulatedFederation, training: Mapping[str, Any],
     aggregated, so the round's single training charge covers it. When training backed off
     (``training["status"] == "backed_off"``), the new cohort starts from the source
     model unchanged (nothing is released). Noise: seeded per (seed, round, cohort) when
-    ``training.dp.noise_seeded``, else OpenDP (a crash re-run redraws it: not stored in
-    the ledger).
+    ``training.dp.noise_seeded``, else OpenDP. The model is stored in the ledger with the
+    round's training charge (:func:`dp_commit_training`); on a crash re-run of a committed
+    round the stored model is republished and no new noise is drawn.
     """
     dp = fed.config.training.dp
 
     def build(new_id: int, members: list[ClientUpdate], reference: np.ndarray) -> np.ndarray:
         if training.get("status") == "backed_off":
             return np.asarray(reference, dtype=np.float32).copy()
+        stored = training.get("stored_new", {})
+        if int(new_id) in stored:
+            return stored[int(new_id)].copy()
         seed = (np.random.default_rng([fed.config.seed, round_number, 223, int(new_id)])
                 if dp.noise_seeded else None)
         return dp_fedavg([u.params for u in members], reference,

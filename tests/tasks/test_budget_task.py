@@ -169,7 +169,7 @@ def _updates(rng, n_clients, n_params, cohort=0, scale=1.0):
 
 def test_training_backs_off_when_the_line_is_frozen(tmp_path, monkeypatch):
     import clma.privacy.mechanisms as mech
-    from tasks.budget import TRAINING_RELEASE, dp_aggregate_task, open_budget
+    from tasks.budget import TRAINING_RELEASE, dp_aggregate_task, dp_commit_training, open_budget
 
     fed = make_fed(tmp_path, write_policy(tmp_path, epsilon_cap=1000.0), enabled=True)
     budget = open_budget(fed.config)
@@ -184,6 +184,7 @@ def test_training_backs_off_when_the_line_is_frozen(tmp_path, monkeypatch):
     assert info["status"] == "aggregated" and len(draws) == 1
     assert not np.array_equal(models[0], start[0])
     assert [e["release"] for e in budget.ledger.entries()] == [TRAINING_RELEASE]
+    models = dp_commit_training(info, models, {})  # after cohorting (none here)
     # re-run of round 1: the committed model is republished, no new noise, no new charge
     again, info2 = dp_aggregate_task.fn(fed, budget, ups, [], start, 1)
     assert info2["status"] == "republished" and len(draws) == 1
@@ -210,6 +211,52 @@ def test_training_charge_is_the_dp_fedavg_gaussian_event(tmp_path):
     assert entry["line"] == "training"
     assert '"noise_multiplier":1.3' in entry["events"]
     assert f'"sampling_probability":{fed.config.training.participation!r}' in entry["events"]
+
+
+def test_crash_before_commit_redraws_but_after_commit_republishes_new_cohorts(
+        tmp_path, monkeypatch):
+    """OpenDP noise (unseeded): the charge is committed after cohorting with every released
+    model, the new cohort's included. A re-run of a committed round republishes them all
+    (no new draw, no new charge); a crash before the commit left nothing published, so the
+    re-run draws again under the same single charge."""
+    import clma.privacy.mechanisms as mech
+    from tasks.budget import (
+        dp_aggregate_task,
+        dp_commit_training,
+        dp_new_cohort_model,
+        open_budget,
+    )
+
+    fed = make_fed(tmp_path, write_policy(tmp_path, epsilon_cap=1000.0), enabled=True,
+                   noise_seeded=False)
+    budget = open_budget(fed.config)
+    rng = np.random.default_rng(3)
+    start = {0: np.zeros(30, dtype=np.float32)}
+    ups = _updates(rng, 6, 30)
+    new_members = _updates(rng, 3, 30, cohort=0)
+    draws = []
+    real = mech.sample
+    monkeypatch.setattr(mech, "sample", lambda *a, **k: (draws.append(1), real(*a, **k))[1])
+
+    def one_attempt(commit: bool):
+        models, info = dp_aggregate_task.fn(fed, budget, ups, [], start, 1)
+        models[7] = dp_new_cohort_model(fed, info, 1)(7, new_members, start[0])
+        if commit:
+            models = dp_commit_training(info, models, {7: [0, 1, 2]})
+        return models, info
+
+    crashed, info0 = one_attempt(commit=False)  # crash before the commit: nothing published
+    assert info0["status"] == "aggregated" and len(draws) == 2
+    first, info1 = one_attempt(commit=True)  # the re-run draws again (retry of the charge)
+    assert info1["status"] == "aggregated" and len(draws) == 4
+    assert not np.array_equal(first[7], crashed[7])
+    (entry,) = budget.ledger.entries()  # one charge for all attempts
+    assert entry["status"] == "committed" and entry["attempts"] == 2
+    again, info2 = one_attempt(commit=True)  # a re-run after the commit republishes
+    assert info2["status"] == "republished" and len(draws) == 4
+    np.testing.assert_array_equal(again[0], first[0])
+    np.testing.assert_array_equal(again[7], first[7])
+    assert len(budget.ledger.entries()) == 1
 
 
 # --------------------------------------------------------------------------- DP-FedAvg
