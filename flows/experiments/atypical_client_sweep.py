@@ -18,7 +18,9 @@ Regimes (:data:`REGIMES`; one changed factor each against ``default``):
 * ``wide-mlp``: MLP [256, 128] (finer activation patterns);
 * ``probe-256``: 256 clean probe samples;
 * ``uniform-probe``: 128 probe inputs drawn uniformly from [0, 1]^64 (the partition of the
-  input space around, not on, the data).
+  input space around, not on, the data);
+* ``strong-perturbation``: twice the perturbation magnitudes (noise std 0.6, rotation 90
+  degrees, blur sigma 2).
 
 Scores (:data:`SCORES`; robust z across the round's clients for each):
 
@@ -88,6 +90,7 @@ class Regime:
     hidden: tuple[int, ...] = (64, 32)
     probe_size: int = 128
     probe: str = "clean"  # "clean": the federation's held-out probe; "uniform": U[0, 1] inputs
+    magnitude_scale: float = 1.0  # multiplies MAGNITUDE
 
 
 REGIMES: dict[str, Regime] = {
@@ -96,6 +99,7 @@ REGIMES: dict[str, Regime] = {
     "wide-mlp": Regime(hidden=(256, 128)),
     "probe-256": Regime(probe_size=256),
     "uniform-probe": Regime(probe="uniform"),
+    "strong-perturbation": Regime(magnitude_scale=2.0),
 }
 
 CELL_COLUMNS = ["regime", "score", "alpha", "perturbation", "seed", "top1_fraction", "auc",
@@ -213,7 +217,7 @@ def run_cell(regime_name: str, alpha: float, perturbation: str, seed: int, round
                      "learning_rate": regime.learning_rate, "batch_size": regime.batch_size},
         "drift": {**base["drift"], "events": [{
             "round": 1, "kind": perturbation, "clients": [shifted], "family": perturbation,
-            "magnitude": MAGNITUDE[perturbation]}]},
+            "magnitude": MAGNITUDE[perturbation] * regime.magnitude_scale}]},
     })
     fed = build_federation(cfg)
     scorer = RepresentationScorer(_probe(regime, fed.probe_x, seed), beta=beta)
