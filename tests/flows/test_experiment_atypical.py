@@ -105,7 +105,8 @@ def test_mlflow_parent_has_a_nested_child_with_id_free_metrics(tiny_run):
             hist = client.get_metric_history(child.info.run_id, f"divergence.{signal}.{k}")
             assert [m.step for m in hist] == [1, 2, 3, 4]
     # nothing per client: the divergence metrics are exactly the 8 distribution statistics
+    # and the two round-level counts
     assert {n for n in child.data.metrics if n.startswith("divergence.")} == {
         f"divergence.{s}.{k}" for s in ("representation", "parameter")
         for k in ("median", "mad", "max_z", "n_flagged")
-    }
+    } | {"divergence.n_flagged", "divergence.quarantined_atypical"}
