@@ -12,9 +12,9 @@ Regimes (:data:`REGIMES`; one changed factor each against ``default``):
 
 * ``default``: the product's training (5 local epochs, SGD lr 0.3, batch 16), MLP [64, 32],
   128 clean probe samples (the experiment's setting);
-* ``gentle-sgd``: lr 0.05 (no client's update norm exceeds twice the round's median: the
-  default lr produces such spikes in ~10 % of client-rounds, and a spiking regular client is
-  genuinely atypical);
+* ``gentle-sgd``: lr 0.05 (no client's update norm exceeds twice the round's median; the
+  default lr produces such spikes in 7.9 % of client-rounds, column ``update_spikes``, and a
+  spiking regular client is genuinely atypical);
 * ``wide-mlp``: MLP [256, 128] (finer activation patterns);
 * ``probe-256``: 256 clean probe samples;
 * ``uniform-probe``: 128 probe inputs drawn uniformly from [0, 1]^64 (the partition of the
