@@ -73,10 +73,13 @@ def build_parser() -> argparse.ArgumentParser:
     from flows import experiments
 
     exp = sub.add_parser("experiment", help="run an experiment (see: clma experiment --help)")
-    exp_sub = exp.add_subparsers(dest="experiment", required=True)
+    # dest must not be "experiment": experiments take --experiment (their MLflow experiment)
+    exp_sub = exp.add_subparsers(dest="experiment_name", required=True)
     for name in experiments.available():
         mod = experiments.load(name)
-        ep = exp_sub.add_parser(name, help=mod.DESCRIPTION, description=mod.DESCRIPTION)
+        ep = exp_sub.add_parser(name, help=mod.DESCRIPTION, description=mod.DESCRIPTION,
+                                epilog=getattr(mod, "EPILOG", None),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
         mod.add_arguments(ep)
     return p
 
@@ -267,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         _quiet_prefect_defaults()
         from flows import experiments
 
-        return int(experiments.load(args.experiment).run(args))
+        return int(experiments.load(args.experiment_name).run(args))
     raise AssertionError(f"unhandled command {args.command}")  # argparse prevents this
 
 

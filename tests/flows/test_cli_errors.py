@@ -147,3 +147,45 @@ def test_resume_rounds_below_committed_and_other_config_refused(capsys, tmp_path
                "--out", str(tmp_path / "o")])
     err = capsys.readouterr().err
     assert rc == 2 and err.startswith("clma: --config: differs from the federation stored")
+
+
+# ------------------------------------------------------------------ experiments' arguments
+# Through `clma` itself (flows.cli.main), so the subcommand parser is part of the test: the
+# experiments take --experiment (their MLflow experiment), which must not clash with it.
+
+
+@pytest.mark.parametrize("name", ["atypical-client", "atypical-client-sweep"])
+@pytest.mark.parametrize("argv, needle", [
+    (["--experiment", "my-mlflow-name", "--rounds", "1"], "--rounds must be >= 2"),
+    (["--clients", "2"], "--clients"),
+    (["--alphas", "10", "10"], "--alphas must not repeat"),
+    (["--perturbations", "blur", "blur"], "--perturbations must not repeat"),
+])
+def test_experiment_argument_errors_exit_2_before_any_work(capsys, name, argv, needle):
+    from flows.cli import main
+
+    assert main(["experiment", name, *argv]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("name", ["atypical-client", "atypical-client-sweep"])
+def test_experiment_out_that_is_a_file_exit_2(capsys, tmp_path, name):
+    from flows.cli import main
+
+    f = tmp_path / "file"
+    f.write_text("x")
+    assert main(["experiment", name, "--out", str(f)]) == 2
+    assert "exists and is not a directory" in capsys.readouterr().err
+    assert f.read_text() == "x"
+
+
+@pytest.mark.parametrize("name, argv", [
+    ("atypical-client", ["--seed", "-1"]),
+    ("atypical-client-sweep", ["--seeds", "0", "-1"]),
+])
+def test_experiment_negative_seed_is_a_config_error(capsys, name, argv):
+    from flows.cli import main
+
+    assert main(["experiment", name, *argv]) == 2
+    assert "seed: Input should be greater than or equal to 0" in capsys.readouterr().err
