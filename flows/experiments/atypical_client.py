@@ -333,10 +333,16 @@ def run(args: argparse.Namespace) -> int:
 
     from clma.config import ConfigError
 
-    bad = [n for n in ("rounds", "clients", "probe_size") if getattr(args, n) < 1]
-    if bad or args.rounds < 2:
-        print("clma: --rounds must be >= 2 (rounds 2.. are scored), --clients and "
-              "--probe-size >= 1", file=sys.stderr)
+    if args.rounds < 2 or args.clients < 3 or args.probe_size < 1:
+        print("clma: --rounds must be >= 2 (rounds 2.. are scored), --clients >= 3 (robust z "
+              "needs 3 clients) and --probe-size >= 1", file=sys.stderr)
+        return 2
+    for name in ("alphas", "perturbations"):
+        if len(set(getattr(args, name))) != len(getattr(args, name)):
+            print(f"clma: --{name} must not repeat a value", file=sys.stderr)
+            return 2
+    if args.out.exists() and not args.out.is_dir():
+        print(f"clma: --out {str(args.out)!r} exists and is not a directory", file=sys.stderr)
         return 2
     if not 0 <= args.shifted_client < args.clients:
         print("clma: --shifted-client must be in [0, clients)", file=sys.stderr)

@@ -60,9 +60,22 @@ from typing import Any
 import numpy as np
 
 DESCRIPTION = (
-    "issue 6 sweep: representation-score variants, training, width and probe regimes vs the "
-    "parameter baseline (plain FedAvg, one perturbed client among 10)"
+    "issue 6 sweep: representation-score variants, training, width, probe and magnitude "
+    "regimes vs the parameter baseline (plain FedAvg, client 0 perturbed, rounds 2..R scored)"
 )
+
+EPILOG = """\
+scores (one row per regime and score): representation = D_hier to the round's start model
+(the production signal); representation_aggregate = to the round's FedAvg aggregate;
+representation_consensus = to the other clients' mean affinity; representation_pairwise_median
+= median D_hier to the other clients; representation_update_cosine = cosine distance of the
+affinity change to the others' mean change; representation_cumulative_z = mean z over rounds
+1..r; parameter = the leave-one-out cosine parameter baseline.
+cells: fraction of rounds 2..R in which client 0 has strictly the highest robust z (mean over
+--seeds); cells_at_target: cells at alpha 10 or 1 whose mean reaches 0.8 (issue 6's target).
+regimes: default (5 epochs, lr 0.3, MLP [64, 32], 128 clean probes), gentle-sgd (lr 0.05),
+wide-mlp ([256, 128]), probe-256, uniform-probe (U[0,1] probe inputs), strong-perturbation
+(2x magnitudes). Results go to --out and to the MLflow experiment --experiment."""
 
 PERTURBATIONS = ("gaussian_noise", "rotation", "blur")
 MAGNITUDE = {"gaussian_noise": 0.3, "rotation": 45.0, "blur": 1.0}
@@ -188,25 +201,14 @@ def _probe(regime: Regime, fed_probe: np.ndarray, seed: int) -> np.ndarray:
     return rng.uniform(0.0, 1.0, size=fed_probe.shape).astype(np.float32)
 
 
-def run_cell(regime_name: str, alpha: float, perturbation: str, seed: int, rounds: int,
-             clients: int, beta: float = 1.0, shifted: int = 0) -> list[dict[str, Any]]:
-    """One federation of the sweep: per-score top-1 fraction and AUC over rounds ``2..rounds``.
-
-    Returns one row per score (columns :data:`CELL_COLUMNS`).
-    """
-    import torch
-    from sklearn.metrics import roc_auc_score
-
+def make_config(regime_name: str, alpha: float, perturbation: str, seed: int, rounds: int,
+                clients: int, shifted: int = 0):
+    """The federation of one sweep cell. Raises :class:`clma.config.ConfigError`."""
     from clma.config import default_config, validate_config
-    from clma.divergence import RepresentationScorer, robust_z
-    from clma.params import AllParams, vector_to_model
-    from clma.rounds import fedavg
-    from clma.sim.federation import build_federation, train_clients
 
-    torch.set_num_threads(1)
     regime = REGIMES[regime_name]
     base = default_config().model_dump()
-    cfg = validate_config({
+    return validate_config({
         **base,
         "name": f"atypical-sweep-{regime_name}",
         "seed": seed, "rounds": rounds, "clients": clients,
@@ -219,6 +221,25 @@ def run_cell(regime_name: str, alpha: float, perturbation: str, seed: int, round
             "round": 1, "kind": perturbation, "clients": [shifted], "family": perturbation,
             "magnitude": MAGNITUDE[perturbation] * regime.magnitude_scale}]},
     })
+
+
+def run_cell(regime_name: str, alpha: float, perturbation: str, seed: int, rounds: int,
+             clients: int, beta: float = 1.0, shifted: int = 0) -> list[dict[str, Any]]:
+    """One federation of the sweep: per-score top-1 fraction and AUC over rounds ``2..rounds``.
+
+    Returns one row per score (columns :data:`CELL_COLUMNS`).
+    """
+    import torch
+    from sklearn.metrics import roc_auc_score
+
+    from clma.divergence import RepresentationScorer, robust_z
+    from clma.params import AllParams, vector_to_model
+    from clma.rounds import fedavg
+    from clma.sim.federation import build_federation, train_clients
+
+    torch.set_num_threads(1)
+    regime = REGIMES[regime_name]
+    cfg = make_config(regime_name, alpha, perturbation, seed, rounds, clients, shifted)
     fed = build_federation(cfg)
     scorer = RepresentationScorer(_probe(regime, fed.probe_x, seed), beta=beta)
 
@@ -343,7 +364,25 @@ def _check(args: argparse.Namespace) -> str | None:
         return "--workers must be >= 1"
     if any(not (math.isfinite(a) and a > 0) for a in args.alphas):
         return "--alphas must be finite and > 0"
+    for name in ("regimes", "alphas", "perturbations", "seeds"):
+        values = getattr(args, name)
+        if len(set(values)) != len(values):
+            return f"--{name} must not repeat a value (each cell is counted once)"
+    if args.out.exists() and not args.out.is_dir():
+        return f"--out {str(args.out)!r} exists and is not a directory"
+    from clma.config import ConfigError
+
+    try:  # every cell's configuration, before any work (e.g. a negative seed)
+        for job in _jobs(args):
+            make_config(*job)
+    except ConfigError as exc:
+        return str(exc)
     return None
+
+
+def _jobs(args: argparse.Namespace) -> list[tuple[str, float, str, int, int, int]]:
+    return [(r, a, p, s, args.rounds, args.clients) for r in args.regimes for a in args.alphas
+            for p in args.perturbations for s in args.seeds]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -358,8 +397,8 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         print(f"clma: {problem}", file=sys.stderr)
         return 2
-    jobs = [(r, a, p, s, args.rounds, args.clients) for r in args.regimes for a in args.alphas
-            for p in args.perturbations for s in args.seeds]
+    jobs = _jobs(args)
+    args.out.mkdir(parents=True, exist_ok=True)
 
     @task(name="run-sweep-cells")
     def run_cells() -> list[dict[str, Any]]:
