@@ -295,6 +295,8 @@ def build_summary(
                 "new_cohorts": {str(k): v for k, v in r.new_cohorts.items()},
                 "merges": r.merges,
                 "regional": r.regional,
+                # atypical-client scores: distribution statistics and counts only, no ids
+                "divergence": r.divergence,
                 "seconds": round(r.seconds, 3),
             }
             for r in records

@@ -56,6 +56,13 @@ def test_summary_json_schema_and_ground_truth(small_run):
     assert 0.0 <= gt["stationary_final_accuracy"] <= 1.0
     # rounds before the drift: one cohort, nobody flagged
     assert on_disk["rounds"][0]["cohorts"] == {"0": 10}
+    # atypical-client scores per round, id-free: counts and distribution statistics only
+    div = on_disk["rounds"][2]["divergence"]
+    assert div["signal"] == "representation" and div["action"] == "report"
+    assert div["n_flagged"] == div["representation"]["n_flagged"]
+    assert div["representation"]["n_clients"] == div["parameter"]["n_clients"] == 10
+    assert 0 <= div["quarantined_atypical"] <= 6
+    assert "flagged" not in json.dumps(div).replace("n_flagged", "")
     assert on_disk["rounds"][1]["flagged_clients"] == 0
 
 
