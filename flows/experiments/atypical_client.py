@@ -40,8 +40,8 @@ from typing import Any
 import numpy as np
 
 DESCRIPTION = (
-    "one perturbed client among 10 (digits, Dirichlet alpha 10/1/0.1): does it rank first by "
-    "representation divergence? by the parameter-space baseline? (MLflow, nested runs)"
+    "one perturbed client among --clients (default 10; digits, Dirichlet alpha 10/1/0.1): does it "
+    "rank first by representation divergence? by the parameter baseline? (MLflow, nested runs)"
 )
 
 PERTURBATIONS = ("gaussian_noise", "rotation", "blur")
