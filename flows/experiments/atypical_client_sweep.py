@@ -122,26 +122,6 @@ CELL_COLUMNS = ["regime", "score", "alpha", "perturbation", "seed", "top1_fracti
 # ------------------------------------------------------------------------------ scoring
 
 
-def cosine_distance_to_others(rows: np.ndarray) -> np.ndarray:
-    """``1 - cos(rows[i], mean of the other rows)`` for every row ``i``.
-
-    Args:
-        rows: ``(n, m)`` float array, ``n >= 2``.
-
-    Returns:
-        ``(n,)`` float64 in ``[0, 2]``; ``nan`` where a row or the others' mean is zero.
-    """
-    rows = np.asarray(rows, dtype=np.float64)
-    n = rows.shape[0]
-    total = rows.sum(axis=0)
-    out = np.empty(n)
-    for i in range(n):
-        others = (total - rows[i]) / (n - 1)
-        den = np.linalg.norm(rows[i]) * np.linalg.norm(others)
-        out[i] = 1.0 - float(rows[i] @ others) / den if den > 0 else math.nan
-    return out
-
-
 def round_scores(
     start_aff: Sequence[np.ndarray],
     client_aff: Sequence[Sequence[np.ndarray]],
@@ -186,7 +166,7 @@ def round_scores(
     iu = np.triu_indices(start_aff[0].shape[0], 1)
     change = np.stack([np.concatenate([(k[layer] - start_aff[layer])[iu]
                                        for layer in range(layers)]) for k in client_aff])
-    out["representation_update_cosine"] = cosine_distance_to_others(change)
+    out["representation_update_cosine"] = cosine_distance_to_mean(change, leave_one_out=True)
     out["parameter"] = cosine_distance_to_mean(updates, leave_one_out=True)
     return out
 

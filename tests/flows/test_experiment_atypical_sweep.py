@@ -25,23 +25,6 @@ def _affinities(rng, n_layers=2, p=6):
     return out
 
 
-def test_cosine_distance_to_others_matches_scipy():
-    rng = np.random.default_rng(0)
-    rows = rng.normal(size=(5, 7))
-    got = sweep.cosine_distance_to_others(rows)
-    want = [cosine(rows[i], np.delete(rows, i, axis=0).mean(axis=0)) for i in range(5)]
-    np.testing.assert_allclose(got, want, rtol=1e-12)
-
-
-def test_cosine_distance_to_others_zero_row_is_nan():
-    rows = np.array([[0.0, 0.0], [1.0, 0.0], [0.0, 1.0]])
-    got = sweep.cosine_distance_to_others(rows)
-    # row 1 against mean([0, 0], [0, 1]) = [0, 0.5]: orthogonal, distance 1
-    assert np.isnan(got[0]) and got[1] == pytest.approx(1.0)
-    # row 2 against mean([0, 0], [1, 0]) = [0.5, 0]: orthogonal too
-    assert got[2] == pytest.approx(1.0)
-
-
 def _change(k, start):
     iu = np.triu_indices(start[0].shape[0], 1)
     return np.concatenate([(k[layer] - start[layer])[iu] for layer in range(len(start))])
