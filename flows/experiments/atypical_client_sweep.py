@@ -369,14 +369,14 @@ def run(args: argparse.Namespace) -> int:
     """Run the sweep; print the summary table. Returns 0, or 2 on bad arguments."""
     import sys
 
-    from prefect import flow, task
-
-    from tasks.tracking import FederationTracker
-
-    problem = _check(args)
+    problem = _check(args)  # before importing Prefect: bad arguments answer at once
     if problem:
         print(f"clma: {problem}", file=sys.stderr)
         return 2
+
+    from prefect import flow, task
+
+    from tasks.tracking import FederationTracker
     jobs = _jobs(args)
     args.out.mkdir(parents=True, exist_ok=True)
 
