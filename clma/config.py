@@ -30,6 +30,8 @@ from pydantic import (
     model_validator,
 )
 
+from clma._validation import field_errors
+
 __all__ = [
     "ConfigError",
     "DataConfig",
@@ -496,15 +498,12 @@ class FederationConfig(_Strict):
 
 
 def _format_error(err: ValidationError) -> str:
-    lines = []
-    for e in err.errors(include_url=False, include_input=False):
-        loc = ".".join(str(p) for p in e["loc"]) or "(config)"
-        msg = e["msg"]
-        if msg.startswith("Value error, "):
-            msg = msg[len("Value error, ") :]
-        if e["type"] == "extra_forbidden":
-            msg = "unknown field (not part of the configuration schema)"
-        lines.append(f"{loc}: {msg}")
+    lines = [
+        f"{loc}: "
+        + ("unknown field (not part of the configuration schema)"
+           if kind == "extra_forbidden" else msg)
+        for loc, msg, kind in field_errors(err, "(config)")
+    ]
     return "invalid configuration: " + "; ".join(lines)
 
 

@@ -39,6 +39,8 @@ from typing import TYPE_CHECKING, Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from clma._validation import field_errors
+
 if TYPE_CHECKING:  # pragma: no cover
     from clma.budget.ledger import PrivacyLedger
 
@@ -196,15 +198,8 @@ class PrivacyPolicy(_Closed):
         return getattr(self.mechanisms, str(getattr(mechanism, "value", mechanism)))
 
 
-def _field_errors(exc: ValidationError, prefix: str = "") -> str:
-    lines = []
-    for err in exc.errors(include_input=False, include_url=False):
-        loc = ".".join(str(p) for p in err["loc"]) or "(policy)"
-        msg = err["msg"]
-        if msg.startswith("Value error, "):
-            msg = msg[len("Value error, ") :]
-        lines.append(f"{prefix}field '{loc}': {msg}")
-    return "; ".join(lines)
+def _field_errors(exc: ValidationError) -> str:
+    return "; ".join(f"field '{loc}': {msg}" for loc, msg, _ in field_errors(exc, "(policy)"))
 
 
 def load_policy(path: str | Path | None = None) -> PrivacyPolicy:
