@@ -115,6 +115,18 @@ def fedavg(vectors: Sequence[np.ndarray], weights: Sequence[float]) -> np.ndarra
     return (acc / w.sum()).astype(np.float32)
 
 
+def _usable_by_cohort(
+    updates: Sequence[ClientUpdate], quarantined: Sequence[int]
+) -> dict[int, list[ClientUpdate]]:
+    """Cohort id -> its members' updates, quarantined clients left out (input order)."""
+    held = set(quarantined)
+    groups: dict[int, list[ClientUpdate]] = defaultdict(list)
+    for u in updates:
+        if u.client_id not in held:
+            groups[u.cohort_id].append(u)
+    return groups
+
+
 def aggregate_per_cohort(
     updates: Sequence[ClientUpdate],
     quarantined: Sequence[int],
@@ -127,11 +139,7 @@ def aggregate_per_cohort(
     down-weight an atypical client). A cohort with no usable update keeps its model.
     Returns a new mapping cohort id -> float32 vector.
     """
-    held = set(quarantined)
-    groups: dict[int, list[ClientUpdate]] = defaultdict(list)
-    for u in updates:
-        if u.client_id not in held:
-            groups[u.cohort_id].append(u)
+    groups = _usable_by_cohort(updates, quarantined)
     out = dict(cohort_models)
     for cid, members in groups.items():
         w = [u.n_samples * (1.0 if weights is None else weights.get(u.client_id, 1.0))
@@ -365,11 +373,7 @@ def dp_aggregate_per_cohort(
     counterpart of :func:`aggregate_per_cohort`; equal client weights). A cohort with no
     usable update keeps its model. ``seed`` (int) derives one numpy stream per cohort;
     ``None`` uses OpenDP. Returns the new models and the per-cohort results."""
-    held = set(quarantined)
-    groups: dict[int, list[ClientUpdate]] = defaultdict(list)
-    for u in updates:
-        if u.client_id not in held:
-            groups[u.cohort_id].append(u)
+    groups = _usable_by_cohort(updates, quarantined)
     out = dict(cohort_models)
     results: dict[int, DPFedAvgResult] = {}
     for cid, members in sorted(groups.items()):
