@@ -399,6 +399,26 @@ class OrchestrationConfig(_Strict):
         return self
 
 
+class TransportConfig(_Strict):
+    """Which transport carries the round to the clients (the ``Clients`` seam,
+    :mod:`clma.engine.clients`), and where simulated devices keep their own state.
+
+    ``transport``: ``simulation`` (in-process simulated clients; the default), ``dask``
+    (simulated clients hosted by Dask workers; needs ``orchestration.dask_address`` or
+    ``orchestration.dask_local_workers``; unset with either of those given means
+    ``dask``) or ``flower`` (real clients: Flower SuperNodes on Flower's deployment
+    engine).
+    """
+
+    transport: Literal["simulation", "dask", "flower"] | None = None
+    device_state_dir: str | None = Field(
+        default=None, min_length=1,
+        description="Simulated devices' own storage (their drift detector state), never "
+        "inside the server's state folder. None = '<state dir>.devices' when the federation "
+        "has a state dir, else memory only.",
+    )
+
+
 class FederationConfig(_Strict):
     """The whole federation. Load with :func:`load_config`; every field has a default."""
 
@@ -418,6 +438,17 @@ class FederationConfig(_Strict):
     budget: BudgetConfig = Field(default_factory=BudgetConfig)
     state: StateConfig = Field(default_factory=StateConfig)
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
+    federation: TransportConfig = Field(default_factory=TransportConfig)
+
+    @property
+    def transport(self) -> str:
+        """The transport in force: ``federation.transport``, or ``dask`` when a Dask target
+        is configured and the transport is unset, else ``simulation``."""
+        t = self.federation.transport
+        if t is not None:
+            return t
+        o = self.orchestration
+        return "dask" if (o.dask_address or o.dask_local_workers) else "simulation"
 
     @field_validator("name")
     @classmethod
@@ -429,6 +460,14 @@ class FederationConfig(_Strict):
 
     @model_validator(mode="after")
     def _schedule_fits(self) -> FederationConfig:
+        o = self.orchestration
+        if self.federation.transport == "dask" and not (o.dask_address or o.dask_local_workers):
+            raise ValueError("federation.transport = 'dask' needs orchestration.dask_address "
+                             "or orchestration.dask_local_workers")
+        if self.federation.transport in ("simulation", "flower") and (
+                o.dask_address or o.dask_local_workers):
+            raise ValueError(f"federation.transport = {self.federation.transport!r}: "
+                             "orchestration.dask_* only apply to the 'dask' transport")
         for i, ev in enumerate(self.drift.events):
             if ev.round > self.rounds:
                 raise ValueError(

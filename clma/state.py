@@ -8,16 +8,19 @@ A state directory holds one federation::
         manifest.json               schema, round, file -> SHA-256 and size, metadata
         registry.json               cohort registry with lineage (CohortRegistry.to_dict)
         models.npz                  each active cohort's current model (float32 vectors)
-        clients.json                simulated clients: detector state and drift history
+        evaluation.json             evaluation state: alert baselines, clip bounds, merges
         federation.json             round counter, config resume-fingerprint
-        <name>.json                 documents of the orchestration layer (alert baselines,
-                                    MLflow run ids, dashboards, per-round records)
+        <name>.json                 documents of the orchestration layer (MLflow run ids,
+                                    dashboards, per-round records)
       progress.json                 last round started (operators, tests)
       ledger/                       the privacy ledger (its own transactional SQLite store)
       .lock                         flock: one flow run at a time per state directory
 
 Nothing random is stored: every random choice of a round is seeded by (seed, round), so a
-round re-run from the same snapshot makes the same choices.
+round re-run from the same snapshot makes the same choices. Nothing of a client is stored
+here: the clients keep their own state on their side of the seam (the simulated devices in
+their own folder, :class:`clma.sim.clients.DeviceStore`; a Flower SuperNode in its node
+state).
 
 Atomic commit (:meth:`StateStore.commit`): every file is written into a fresh temporary
 folder and fsync'ed, the manifest (with each file's SHA-256) last; the folder is fsync'ed
@@ -31,10 +34,8 @@ verifies every file against the manifest (:class:`StateCorrupt` otherwise).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import fcntl
 import hashlib
-import io
 import json
 import os
 import shutil
@@ -44,11 +45,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from clma.cohort import CohortRegistry
 from clma.config import FederationConfig
-from clma.sim.drift import AppliedDrift
+from clma.engine.state import ServerState, restore_files, snapshot_files
 
 __all__ = [
     "STATE_SCHEMA",
@@ -58,14 +56,14 @@ __all__ = [
     "StateLocked",
     "StateStore",
     "default_state_dir",
-    "restore_federation",
+    "restore_server",
     "resume_fingerprint",
-    "snapshot_federation",
+    "snapshot_server",
 ]
 
 STATE_SCHEMA = "clma.state/1"
 #: Config fields that may change between flow runs of one federation.
-RESUMABLE_FIELDS = ("rounds", "schedule", "state", "tracking", "orchestration")
+RESUMABLE_FIELDS = ("rounds", "schedule", "state", "tracking", "orchestration", "federation")
 _NAME_OK = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
 
 
@@ -287,64 +285,34 @@ def _json_bytes(obj: Any) -> bytes:
     return (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode("utf-8")
 
 
-def snapshot_federation(fed: Any, round_number: int) -> dict[str, bytes]:
-    """The clma-level state of a :class:`clma.sim.federation.SimulatedFederation` after
-    ``round_number`` as snapshot files (registry, models, clients, federation)."""
-    buf = io.BytesIO()
-    arrays = {f"cohort_{c}": np.asarray(v, dtype=np.float32)
-              for c, v in sorted(fed.cohort_models.items())}
-    if fed.merge_reference is not None:
-        arrays["merge_reference"] = np.asarray(fed.merge_reference, dtype=np.float32)
-    np.savez(buf, **arrays)
-    clients = {
-        str(cid): {
-            "detector_state": cl.detector_state,
-            "drifts": [dataclasses.asdict(d) for d in cl.drifts],
-        }
-        for cid, cl in sorted(fed.clients.items())
-    }
-    return {
-        "registry.json": _json_bytes(fed.registry.to_dict()),
-        "models.npz": buf.getvalue(),
-        "clients.json": _json_bytes(clients),
-        "federation.json": _json_bytes({
-            "round": int(round_number),
-            "name": fed.config.name,
-            "seed": fed.config.seed,
-            "resume_fingerprint": resume_fingerprint(fed.config),
-        }),
-    }
+def snapshot_server(state: ServerState, config: FederationConfig, round_number: int
+                    ) -> dict[str, bytes]:
+    """The server state after ``round_number`` as snapshot files (registry, models,
+    evaluation state, federation)."""
+    files = snapshot_files(state)
+    files["federation.json"] = _json_bytes({
+        "round": int(round_number),
+        "name": config.name,
+        "seed": config.seed,
+        "resume_fingerprint": resume_fingerprint(config),
+    })
+    return files
 
 
-def restore_federation(fed: Any, state: CommittedState) -> int:
-    """Load a snapshot into a freshly built federation (same config); returns its round.
+def restore_server(snapshot: CommittedState, config: FederationConfig) -> ServerState:
+    """The server state of a snapshot, for a federation with ``config``.
 
     Raises:
         StateError: the snapshot belongs to a federation with another configuration
             (name, seed, data, model, drift schedule, cohorting, evaluation, budget...).
+        StateCorrupt: the models do not match the registry.
     """
-    info = state.json("federation.json")
-    if info.get("resume_fingerprint") != resume_fingerprint(fed.config):
+    info = snapshot.json("federation.json")
+    if info.get("resume_fingerprint") != resume_fingerprint(config):
         raise StateError(
             "config: differs from the federation stored in the state directory (only "
             + ", ".join(RESUMABLE_FIELDS) + " may change when resuming)")
-    fed.registry = CohortRegistry.from_dict(state.json("registry.json"))
-    with np.load(io.BytesIO(state.files["models.npz"])) as z:
-        models = {int(k.split("_", 1)[1]): z[k].astype(np.float32) for k in z.files
-                  if k.startswith("cohort_")}
-        fed.merge_reference = (z["merge_reference"].astype(np.float32)
-                               if "merge_reference" in z.files else None)
-    active = set(fed.registry.active_cohorts())
-    if set(models) != active:
-        raise StateCorrupt("models.npz: cohort models do not match the registry's active "
-                           "cohorts")
-    fed.cohort_models = models
-    clients = state.json("clients.json")
-    if set(clients) != {str(c) for c in fed.clients}:
-        raise StateError("clients.json: client set differs from the configured federation")
-    for cid, cl in fed.clients.items():
-        doc = clients[str(cid)]
-        cl.detector_state = doc["detector_state"]
-        cl.drifts = [AppliedDrift(**d) for d in doc["drifts"]]
-    fed.rounds_done = int(info["round"])
-    return fed.rounds_done
+    try:
+        return restore_files(snapshot.files, int(info["round"]))
+    except ValueError as exc:
+        raise StateCorrupt(str(exc)) from None

@@ -44,7 +44,7 @@ from prefect.runtime import flow_run
 from pydantic import Field, ValidationError
 
 from clma.budget import BorrowApproval, BorrowDecision, BorrowRequest, decide_borrow
-from tasks.budget import BudgetState
+from clma.engine.budget import BudgetState
 
 __all__ = [
     "BorrowApprovalForm",

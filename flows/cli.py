@@ -181,9 +181,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
         return 2
     # Data-dependent checks (dataset present, enough samples per client) also fail fast.
     try:
-        from clma.sim.federation import build_federation
+        if cfg.transport != "flower":
+            from clma.sim.federation import build_federation
 
-        build_federation(cfg)
+            build_federation(cfg)
     except (ValueError, OSError) as exc:
         print(f"clma: invalid configuration: {exc}", file=sys.stderr)
         return 2

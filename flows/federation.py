@@ -1,10 +1,13 @@
 """Prefect flows: one federated round, and a federation of N rounds.
 
-``federation_flow`` builds the simulated federation, opens one MLflow run, and runs
-``round_flow`` once per round (each round is its own Prefect flow run, nested under the
-federation's, with named tasks: select-clients, train-clients (mapped over chunks),
-detect-drift, score-divergence, aggregate-per-cohort, cohort, merge-cohorts, evaluate-clients (mapped),
-evaluate-regions, log-round). It runs on the embedded default: with no
+``federation_flow`` opens the transport (simulated clients by default), the server's
+round engine (:class:`clma.engine.FederationEngine`) and one MLflow run, and runs
+``round_flow`` once per round. Each round is its own Prefect flow run, nested under the
+federation's, whose tasks are the engine's steps, in order: select-clients,
+train-clients (mapped over chunks of clients), detect-drift, score-divergence,
+aggregate-per-cohort, cohort, merge-cohorts, then on evaluation rounds
+secure-aggregation and the ledger's charge-evaluation / release-evaluation steps (or
+evaluate-regions without a ledger). It runs on the embedded default: with no
 ``PREFECT_API_URL`` Prefect starts a temporary local API; nothing to start by hand.
 """
 
@@ -12,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,32 +24,24 @@ from prefect import flow
 from prefect.runtime import flow_run
 
 from clma.config import FederationConfig
-from clma.sim.federation import ClientEvaluation, SimulatedFederation, build_federation
+from clma.divergence import probe_digest
+from clma.engine import FederationEngine, RoundResult, open_budget
+from clma.engine.divergence import DivergenceOutcome
 from clma.sim.truth import drift_event_ari, families_separated, mean_or_none
-from tasks.budget import (
-    BudgetState,
-    budgeted_evaluation,
-    dp_aggregate_task,
-    dp_commit_training,
-    dp_new_cohort_model,
-    open_budget,
-    report_budget_round,
-)
-from tasks.divergence import DivergenceOutcome, probe_sha256, score_divergence_task
+from flows.transport import Transport, open_transport
+from tasks.budget import report_budget_round
 from tasks.durable import FederationSession
-from tasks.evaluate import finish_evaluation, log_evaluation, private_evaluation
+from tasks.evaluate import evaluate_regions, log_evaluation, secure_aggregation_task
 from tasks.round import (
     aggregate_task,
     chunked,
     cohort_task,
     detect_drift_task,
-    evaluate_clients_task,
-    inject_drift_task,
     merge_task,
+    score_divergence_task,
     select_clients_task,
     train_clients_task,
 )
-from tasks.scale_out import ClientRunner, open_client_runner
 from tasks.tracking import FederationTracker
 
 __all__ = ["RoundRecord", "federation_flow", "round_flow", "run_federation", "SUMMARY_SCHEMA"]
@@ -69,23 +63,38 @@ class RoundRecord:
     truth: dict[str, Any] = field(default_factory=dict)
     seconds: float = 0.0
     divergence: dict | None = None  # DivergenceOutcome.summary(): statistics, no client ids
-    evaluation: Any = None  # tasks.evaluate.EvaluationOutcome (envelopes, alerts, releases)
+    evaluation: Any = None  # clma.engine.EvaluationOutcome (envelopes, alerts, releases)
+
+    @classmethod
+    def from_result(cls, res: RoundResult, truth: dict[str, Any]) -> RoundRecord:
+        return cls(round=res.round, cohorts=res.cohorts, flagged=res.flagged,
+                   quarantined=res.quarantined, new_cohorts=res.new_cohorts,
+                   merges=res.merges, regional=res.regional, truth=truth,
+                   seconds=res.seconds, divergence=res.divergence, evaluation=res.evaluation)
 
 
-def _truth(
-    fed: SimulatedFederation,
-    evaluations: list[ClientEvaluation],
-    drifted_now: dict[int, str],
-) -> dict[str, Any]:
+def _truth(transport: Transport, engine: FederationEngine, round_number: int,
+           participants: list[int]) -> dict[str, Any]:
+    """Simulation ground truth of a round (empty for real clients): accuracy of the
+    stationary and drifted clients, and the cohorts' agreement with the injected
+    families at a drift event."""
+    sim, view = transport.simulation, transport.truth
+    if sim is None or view is None:
+        return {}
+    reg = engine.state.registry
+    assignments = {c: int(reg.cohort_of(c)) for c in participants}
+    evaluations = view.truth(round_number, assignments, engine.state.cohort_models,
+                             engine.config.evaluation.loss_max)
     acc = {e.client_id: e.accuracy for e in evaluations}
-    stationary = [acc[c] for c in fed.stationary_clients() if c in acc]
-    drifted = [acc[c] for c in fed.drifted_clients() if c in acc]
+    drifted_now = sim.drifted_at(round_number)
     out: dict[str, Any] = {
-        "stationary_accuracy": mean_or_none(stationary),
-        "drifted_accuracy": mean_or_none(drifted),
+        "stationary_accuracy": mean_or_none(
+            [acc[c] for c in sim.stationary_clients(round_number) if c in acc]),
+        "drifted_accuracy": mean_or_none(
+            [acc[c] for c in sim.drifted_clients(round_number) if c in acc]),
     }
     if drifted_now:
-        cohort_of = {c: fed.registry.cohort_of(c) for c in drifted_now}
+        cohort_of = {c: reg.cohort_of(c) for c in drifted_now}
         out["drift_event"] = {
             "ari": drift_event_ari(drifted_now, cohort_of),
             "families_separated": families_separated(drifted_now, cohort_of),
@@ -96,111 +105,37 @@ def _truth(
 
 @flow(name="clma-round", flow_run_name="round-{round_number}")
 def round_flow(
-    fed: SimulatedFederation,
+    engine: FederationEngine,
+    transport: Transport,
     round_number: int,
     on_divergence: Callable[[DivergenceOutcome], None] | None = None,
-    budget: BudgetState | None = None,
 ) -> RoundRecord:
-    """One federated round of CLMA (or plain FedAvg when cohorting is disabled).
+    """One federated round of CLMA (or plain FedAvg when cohorting is disabled): the
+    engine's steps as Prefect tasks (module docstring).
 
     ``on_divergence`` (simulations, experiments) receives the round's full
-    :class:`tasks.divergence.DivergenceOutcome`, client ids included; the record keeps only
-    its id-free summary.
+    :class:`clma.engine.divergence.DivergenceOutcome`, client ids included; the record
+    keeps only its id-free summary.
     """
-    t0 = time.perf_counter()
-    cfg = fed.config
-    selected = select_clients_task(fed, round_number)
-    drifted_now = inject_drift_task(fed, round_number)
-    cohort_of = {c: fed.registry.cohort_of(c) for c in selected}
-    chunks = chunked(selected, cfg.orchestration.chunk_size)
-    futures = [
-        train_clients_task.submit(
-            [fed.clients[c] for c in chunk],
-            fed.models_for(chunk),
-            {c: cohort_of[c] for c in chunk},
-            cfg,
-            fed.spec,
-            round_number,
-        )
-        for chunk in chunks
-    ]
-    results = [r for f in futures for r in f.result()]
-    for r in results:  # client side: each device keeps its own detector state
-        fed.clients[r.update.client_id].detector_state = r.detector_state
-    updates = [r.update for r in results]
-    quarantined = detect_drift_task(updates, cfg.cohort.enabled)
-    start_models = dict(fed.cohort_models)
-    if quarantined and fed.merge_reference is None:
-        first_source = next(u.cohort_id for u in updates if u.client_id in set(quarantined))
-        fed.merge_reference = start_models[first_source].copy()
-    div = None
-    if cfg.divergence.enabled:
-        div = score_divergence_task(fed, updates, start_models, round_number)
-        if on_divergence is not None:
-            on_divergence(div)
-    # div.flagged (under divergence.signal) is the atypical set; div.weights is None for
-    # action 'report', else flagged client -> FedAvg weight multiplier (0 for 'exclude').
-    new_model = None
-    training = None
-    if cfg.training.dp.enabled:  # DP-FedAvg, charged to the training line (tasks/budget.py)
-        models, training = dp_aggregate_task(fed, budget, updates, quarantined, start_models,
-                                             round_number, div.weights if div else None)
-        new_model = dp_new_cohort_model(fed, training, round_number)  # new cohorts: DP too
-    else:
-        models = aggregate_task(updates, quarantined, start_models, div.weights if div else None)
-    models, outcome = cohort_task(fed, updates, quarantined, models, round_number, start_models,
-                                  new_model, div.weights if div else None,
-                                  div.flagged if div else ())
-    if training is not None:  # commit the charge with every model released under DP
-        models = dp_commit_training(training, models, outcome.new_cohorts)
-    models, merges = merge_task(fed, models, round_number)
-    fed.cohort_models = {c: models[c] for c in fed.registry.active_cohorts()}
-    fed.registry.record_round(round_number)
+    ctx = select_clients_task(engine, round_number)
+    chunks = chunked(ctx.selected, engine.config.orchestration.chunk_size)
+    futures = [train_clients_task.submit(engine, ctx, chunk) for chunk in chunks]
+    engine.accept(ctx, [f.result() for f in futures])
+    detect_drift_task(engine, ctx)
+    div = score_divergence_task(engine, ctx)
+    if div is not None and on_divergence is not None:
+        on_divergence(div)
+    aggregate_task(engine, ctx)
+    cohort_task(engine, ctx)
+    merge_task(engine, ctx)  # also installs the models and records the round
+    if engine.evaluation_due(round_number) and ctx.participants:
+        from flows.approval import borrow_gate
 
-    regional = None
-    evaluation = None
-    evaluations: list[ClientEvaluation] = []
-    cohort_of = {c: fed.registry.cohort_of(c) for c in selected}
-    eval_futures = [
-        evaluate_clients_task.submit(
-            [fed.clients[c] for c in chunk], fed.models_for(chunk),
-            {c: cohort_of[c] for c in chunk}, fed.spec, cfg.evaluation.loss_max,
-        )
-        for chunk in chunks
-    ]
-    evaluations = [e for f in eval_futures for e in f.result()]
-    if round_number % cfg.evaluation.every == 0:
-        if budget is not None:  # every release charged before its noise (tasks/budget.py)
-            from flows.approval import borrow_gate
-
-            view = budgeted_evaluation(fed, budget, evaluations, round_number,
-                                       gate=borrow_gate, run_id=str(flow_run.id or ""))
-            evaluation = finish_evaluation(fed, selected, round_number, budget_view=view)
-        else:
-            evaluation = private_evaluation(fed, selected, round_number)
-        regional = evaluation.published
-    fed.rounds_done = round_number
-    return RoundRecord(
-        round=round_number,
-        cohorts={c: len(fed.registry.members(c)) for c in fed.registry.active_cohorts()},
-        flagged=sum(u.drift_flag for u in updates),
-        quarantined=len(quarantined),
-        new_cohorts={
-            k: {"parent": outcome.parents[k], "size": len(v)}
-            for k, v in outcome.new_cohorts.items()
-        },
-        merges=[{"merged": g, "into": n} for g, n in merges],
-        regional=regional,
-        truth=_truth(fed, evaluations, drifted_now),
-        seconds=time.perf_counter() - t0,
-        divergence=None if div is None else {
-            **div.summary(),
-            # quarantined (drift-flagged) clients that the divergence signal flagged too
-            "quarantined_atypical": sum(d.get("n_atypical", 0)
-                                        for d in outcome.diagnostics.values()),
-        },
-        evaluation=evaluation,
-    )
+        sums = secure_aggregation_task(engine, ctx)
+        evaluate_regions(engine, ctx, sums, gate=borrow_gate, run_id=str(flow_run.id or ""))
+    result = engine.finish(ctx)
+    return RoundRecord.from_result(result, _truth(transport, engine, round_number,
+                                                  ctx.participants))
 
 
 def _round_metrics(rec: RoundRecord) -> dict[str, float]:
@@ -233,12 +168,12 @@ def _round_metrics(rec: RoundRecord) -> dict[str, float]:
     return m
 
 
-def cohort_history_artifact(fed: SimulatedFederation) -> dict[str, Any]:
+def cohort_history_artifact(engine: FederationEngine) -> dict[str, Any]:
     """Cohort history without client ids: per round, cohort id -> member count; lineage."""
     return {
         "rounds": {
             str(r): {str(c): len(m) for c, m in cohorts.items()}
-            for r, cohorts in fed.registry.history.items()
+            for r, cohorts in engine.state.registry.history.items()
         },
         "lineage": [
             {
@@ -249,13 +184,14 @@ def cohort_history_artifact(fed: SimulatedFederation) -> dict[str, Any]:
                 "n_clients": len(e.clients),
                 "reason": e.reason,
             }
-            for e in fed.registry.lineage
+            for e in engine.state.registry.lineage
         ],
     }
 
 
 def build_summary(
-    fed: SimulatedFederation,
+    engine: FederationEngine,
+    transport: Transport,
     records: list[RoundRecord],
     *,
     mlflow_run_id: str | None,
@@ -263,7 +199,9 @@ def build_summary(
     prefect_flow_run_id: str | None,
 ) -> dict[str, Any]:
     """The ``summary.json`` document (schema ``clma.summary/1``, see README)."""
-    cfg = fed.config
+    cfg = engine.config
+    partition = engine.assets.partition
+    reg = engine.state.registry
     events = {
         str(r.round): r.truth["drift_event"]["ari"] for r in records if "drift_event" in r.truth
     }
@@ -275,14 +213,16 @@ def build_summary(
             "seed": cfg.seed,
             "rounds": cfg.rounds,
             "clients": cfg.clients,
-            "dataset": fed.dataset_name,
+            "dataset": engine.assets.dataset_name,
             "cohorting": "clma" if cfg.cohort.enabled else "fedavg",
             "config_fingerprint": cfg.fingerprint(),
+            "transport": transport.name,
+            "executor": transport.executor,
         },
         "region_partition": {
-            "version": fed.partition.version,
-            "content_hash": fed.partition.content_hash,
-            "source": fed.partition.source,
+            "version": partition.version,
+            "content_hash": partition.content_hash,
+            "source": partition.source,
         },
         "mlflow": {"run_id": mlflow_run_id, "tracking_uri": tracking_uri},
         "prefect": {"flow_run_id": prefect_flow_run_id},
@@ -302,7 +242,7 @@ def build_summary(
             for r in records
         ],
         "final_cohorts": {
-            str(c): len(fed.registry.members(c)) for c in fed.registry.active_cohorts()
+            str(c): len(reg.members(c)) for c in reg.active_cohorts()
         },
         "ground_truth": {
             "note": "simulation ground truth; never part of a private release",
@@ -336,6 +276,7 @@ def federation_flow(
     state_dir: str | None = None,
     max_new_rounds: int | None = None,
     resume: bool | None = None,
+    transport: Transport | None = None,
 ) -> dict[str, Any]:
     """A federation of ``config.rounds`` rounds, tracked in one MLflow run.
 
@@ -347,6 +288,10 @@ def federation_flow(
     ``False`` refuses one, ``None`` accepts both), re-uses its MLflow run, runs at most
     ``max_new_rounds`` more rounds (up to ``config.rounds``) and commits the state
     atomically after each round.
+
+    ``transport``: an open :class:`flows.transport.Transport` (the Flower ServerApp passes
+    its SuperNodes); default: the one ``config.federation`` names, opened here and closed
+    at the end.
     """
     import torch
 
@@ -355,14 +300,20 @@ def federation_flow(
         config, state_dir, out_dir,
         require=None if resume is None else ("existing" if resume else "fresh"))
     tracker: FederationTracker | None = None
+    own_transport = transport is None
     try:  # set-up; the round loop's own try/finally releases everything after it
         config = session.config  # with a state dir, the ledger lives in it
-        fed = build_federation(config)
-        first_round = session.restore(fed) + 1
+        if transport is None:
+            transport = open_transport(config, state_dir)
         budget = open_budget(config) if config.budget.enabled else None
+        engine = FederationEngine(config, transport.assets, transport.clients, budget=budget,
+                                  state=session.restore_state())
+        session.engine = engine
+        first_round = engine.state.rounds_done + 1
         prefect_id = str(flow_run.id) if flow_run.id else None
         if config.tracking.enabled:
             tracker = session.make_tracker()  # re-attaches to the federation's run on resume
+            partition = transport.assets.partition
             tracker.start(
                 config.tracking.experiment or config.name,
                 run_name=f"{config.name}-seed{config.seed}",
@@ -370,15 +321,16 @@ def federation_flow(
                 tags={
                     "clma.seed": str(config.seed),
                     "clma.config_fingerprint": config.fingerprint(),
-                    "clma.region_partition.version": fed.partition.version,
-                    "clma.region_partition.content_hash": fed.partition.content_hash,
+                    "clma.region_partition.version": partition.version,
+                    "clma.region_partition.content_hash": partition.content_hash,
                     "clma.prefect_flow_run_id": prefect_id or "",
                     "clma.cohorting": "clma" if config.cohort.enabled else "fedavg",
+                    "clma.transport": transport.name,
                     "clma.noise_source": "seeded-simulation"
                     if config.evaluation.noise_seeded
                     else "opendp",
-                    "clma.sim_truth_metrics": "true",
-                    "clma.probe_sha256": probe_sha256(fed),
+                    "clma.sim_truth_metrics": "true" if transport.simulation else "false",
+                    "clma.probe_sha256": probe_digest(transport.assets.probe_x),
                 },
                 parent_run_id=parent_mlflow_run_id,
             )
@@ -390,17 +342,17 @@ def federation_flow(
         if tracker is not None:
             with contextlib.suppress(Exception):
                 tracker.finish("FAILED")
+        if own_transport and transport is not None:
+            with contextlib.suppress(Exception):
+                transport.close()
         session.close("FAILED")
         raise
     records: list[RoundRecord] = []
     status = "FAILED"
-    runner = ClientRunner()  # client tasks: thread pool, or Dask (tasks/scale_out.py)
     try:
-        runner = open_client_runner(config)
-        run_round = runner.apply(round_flow)
         for r in range(first_round, session.last_round(max_new_rounds) + 1):
             session.round_started(r)
-            rec = run_round(fed, r, on_divergence=on_divergence, budget=budget)
+            rec = round_flow(engine, transport, r, on_divergence=on_divergence)
             records.append(rec)
             if tracker:
                 tracker.log_metrics(_round_metrics(rec), step=r)
@@ -410,19 +362,20 @@ def federation_flow(
                 log_evaluation(rec.evaluation, tracker, out_dir)
             if budget is not None:
                 report_budget_round(budget, tracker, r)
-            session.round_done(fed, rec, tracker, budget)  # lineage, dashboards, commit
+            session.round_done(engine, rec, tracker)  # lineage, dashboards, commit
             if on_round:
                 on_round(rec)
         status = "FINISHED"
     finally:
-        runner.close()
+        if own_transport:
+            transport.close()
         if tracker:
             if records:
-                tracker.log_dict(cohort_history_artifact(fed), "cohort_history.json")
+                tracker.log_dict(cohort_history_artifact(engine), "cohort_history.json")
             tracker.finish(status)
         session.close(status)
     summary = build_summary(
-        fed,
+        engine, transport,
         session.previous_records(RoundRecord) + records,
         mlflow_run_id=tracker.run_id if tracker else None,
         tracking_uri=tracker.tracking_uri if tracker else None,

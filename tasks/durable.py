@@ -2,10 +2,10 @@
 cohort lineage and dashboards (issue 7). The flow (``flows/federation.py``) calls:
 
 ``FederationSession.open(config, state_dir)`` -> ``session.config`` (ledger placed in the
-state dir) -> ``build_federation`` -> ``session.restore(fed)`` (round already committed)
--> ``session.make_tracker()`` (a :class:`DurableTracker`: a new MLflow run, or the
-federation's run again when resuming) -> per round ``session.round_started(r)`` ... the
-round and its logging ... ``session.round_done(fed, rec, tracker, budget)`` (lineage,
+state dir) -> ``session.restore_state()`` (the server state committed there, or None) ->
+the engine -> ``session.make_tracker()`` (a :class:`DurableTracker`: a new MLflow run, or
+the federation's run again when resuming) -> per round ``session.round_started(r)`` ...
+the round and its logging ... ``session.round_done(engine, rec, tracker)`` (lineage,
 dashboards, atomic commit) -> ``session.close(status)``.
 
 With ``state_dir=None`` nothing is stored (the embedded default of ``clma run``): lineage
@@ -42,8 +42,8 @@ from clma.state import (
     CommittedState,
     StateError,
     StateStore,
-    restore_federation,
-    snapshot_federation,
+    restore_server,
+    snapshot_server,
 )
 from tasks.dashboards import DashboardHistory, publish_dashboards
 from tasks.lineage import CohortLineageTracker, LineageState, registered_model_name
@@ -156,7 +156,7 @@ class FederationSession:
     dashboards: DashboardHistory = dataclasses.field(default_factory=DashboardHistory)
     lineage_state: LineageState = dataclasses.field(default_factory=LineageState)
     lineage: CohortLineageTracker | None = None
-    fed: Any = None
+    engine: Any = None
     _snapshot: CommittedState | None = None
     _lock: Any = None
     _new_records: list[dict[str, Any]] = dataclasses.field(default_factory=list)
@@ -206,20 +206,15 @@ class FederationSession:
             lock.__exit__(None, None, None)
             raise
 
-    def restore(self, fed: Any) -> int:
-        """Load the committed snapshot into ``fed`` (built from ``self.config``); returns
-        the committed round (0 for a fresh federation)."""
-        self.fed = fed
-        if self._snapshot is None:
-            return 0
-        restore_federation(fed, self._snapshot)
-        if "evaluation.json" in self._snapshot.files:
-            from tasks.evaluate import EvaluationState
+    def restore_state(self) -> Any:
+        """The server state committed in the state dir (None for a fresh federation).
 
-            doc = self._snapshot.json("evaluation.json")
-            if doc is not None:
-                fed.evaluation_state = EvaluationState.from_dict(doc)
-        return self.committed_round
+        Raises:
+            StateError: the stored federation has another configuration.
+        """
+        if self._snapshot is None:
+            return None
+        return restore_server(self._snapshot, self.config)
 
     def last_round(self, max_new_rounds: int | None = None) -> int:
         """Last round of this flow run: ``config.rounds``, or fewer with ``max_new_rounds``."""
@@ -251,11 +246,11 @@ class FederationSession:
                 state=self.lineage_state)
         return self.lineage
 
-    def round_done(self, fed: Any, rec: Any, tracker: Any, budget: Any = None) -> None:
+    def round_done(self, engine: Any, rec: Any, tracker: Any) -> None:
         """After round ``rec.round`` was logged: lineage, dashboards, then the commit."""
         lineage = self._lineage(tracker)
         if lineage is not None:
-            doc = lineage.sync_round(fed, rec.round)
+            doc = lineage.sync_round(engine, rec.round)
             if self.out_dir:
                 from tasks.lineage import write_lineage_files
 
@@ -266,12 +261,10 @@ class FederationSession:
                                tracker=tracker, out_dir=self.out_dir)
         self._new_records.append(record_to_dict(rec))
         _failpoint("kill-before-commit", rec.round)
-        self.commit(fed, rec.round)
+        self.commit(engine, rec.round)
 
-    def _files(self, fed: Any, round_number: int) -> dict[str, bytes]:
-        files = snapshot_federation(fed, round_number)
-        ev = getattr(fed, "evaluation_state", None)
-        files["evaluation.json"] = _dumps(ev.to_dict() if ev is not None else None)
+    def _files(self, engine: Any, round_number: int) -> dict[str, bytes]:
+        files = snapshot_server(engine.state, self.config, round_number)
         files["mlflow.json"] = _dumps(self.mlflow)
         files["config.json"] = _dumps(self.original_config.model_dump(mode="json"))
         records = [r for r in self.stored_records if r["round"] <= round_number]
@@ -283,19 +276,19 @@ class FederationSession:
         files["lineage.json"] = _dumps(lin.model_dump(mode="json"))
         return files
 
-    def commit(self, fed: Any, round_number: int) -> None:
+    def commit(self, engine: Any, round_number: int) -> None:
         if self.store is None:
             return
-        self.store.commit(round_number, self._files(fed, round_number),
+        self.store.commit(round_number, self._files(engine, round_number),
                           meta={"federation": self.config.name, "seed": self.config.seed,
                                 "mlflow_run_id": self.mlflow.get("run_id")})
         self.committed_round = round_number
 
     def commit_initial(self) -> None:
         """Commit round 0 (fresh federation) so the MLflow run id is durable at once."""
-        if self.store is not None and self._snapshot is None and self.fed is not None \
+        if self.store is not None and self._snapshot is None and self.engine is not None \
                 and self.committed_round == 0:
-            self.commit(self.fed, 0)
+            self.commit(self.engine, 0)
 
     def close(self, status: str = "FINISHED") -> None:
         if self.lineage is not None:

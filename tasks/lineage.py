@@ -66,7 +66,6 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from clma.cohort import CohortRegistry
 from clma.release.aggregate import BelowCohortFloor, participant_band
-from clma.sim.federation import SimulatedFederation
 
 __all__ = [
     "LINEAGE_SCHEMA",
@@ -112,12 +111,6 @@ def cohort_band(n_members: int, min_cohort: int) -> str:
         return participant_band(n_members, min_cohort).value
     except BelowCohortFloor:
         return "below_minimum"
-
-
-def _min_cohort(fed: SimulatedFederation) -> int:
-    from tasks.evaluate import effective_min_cohort
-
-    return effective_min_cohort(fed)
 
 
 def lineage_document(registry: CohortRegistry, min_cohort: int, rounds_done: int
@@ -288,7 +281,7 @@ class CohortLineageTracker:
             )
         self._model_registered = True
 
-    def _log_model(self, fed: SimulatedFederation, cohort_id: int, run_id: str,
+    def _log_model(self, engine: Any, cohort_id: int, run_id: str,
                    vector: np.ndarray, round_number: int, sha: str) -> str:
         import mlflow.pytorch
         import torch
@@ -303,8 +296,9 @@ class CohortLineageTracker:
             if mv.tags.get("clma.round") == str(round_number) \
                     or mv.tags.get("clma.model.sha256") == sha:
                 return str(mv.version)
-        module = vector_to_model(vector, fed.spec.build(seed=0), AllParams()).eval()
-        example = np.zeros((2, fed.spec.n_features), dtype=np.float32)
+        module = vector_to_model(vector, engine.assets.model_spec.build(seed=0),
+                                 AllParams()).eval()
+        example = np.zeros_like(np.asarray(engine.assets.probe_x[:2], dtype=np.float32))
         logging.getLogger("mlflow").setLevel(logging.ERROR)
         with tempfile.TemporaryDirectory(prefix="clma-model-") as tmp:
             mlflow.pytorch.save_model(
@@ -321,7 +315,7 @@ class CohortLineageTracker:
         return str(mv.version)
 
     # ------------------------------------------------------------------ per round
-    def sync_round(self, fed: SimulatedFederation, round_number: int) -> dict[str, Any]:
+    def sync_round(self, engine: Any, round_number: int) -> dict[str, Any]:
         """Bring MLflow up to date after ``round_number``: cohort runs and tags, changed
         models (logged + registered + alias), the lineage document and graph.
 
@@ -329,8 +323,8 @@ class CohortLineageTracker:
         """
         from mlflow.entities import Metric, RunTag
 
-        reg = fed.registry
-        m = _min_cohort(fed)
+        reg = engine.state.registry
+        m = engine.evaluator.min_cohort
         import time
 
         ts = int(time.time() * 1000)
@@ -352,11 +346,11 @@ class CohortLineageTracker:
                 self.state.ended[key] = rec.status
                 self.client.set_terminated(rid, "FINISHED")
                 continue
-            vec = fed.cohort_models.get(cid)
+            vec = engine.state.cohort_models.get(cid)
             if self.log_models and vec is not None:
                 sha = _vector_sha(vec)
                 if self.state.model_sha.get(key) != sha:
-                    version = self._log_model(fed, cid, rid, vec, round_number, sha)
+                    version = self._log_model(engine, cid, rid, vec, round_number, sha)
                     self.client.set_registered_model_alias(self.model_name, f"cohort-{cid}",
                                                            version)
                     self.state.model_sha[key] = sha

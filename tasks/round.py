@@ -1,55 +1,40 @@
-"""Prefect tasks, one per step of a federated round. Thin: each calls :mod:`clma`.
+"""Prefect tasks of a federated round, one per engine step. Thin: each calls one
+:class:`clma.engine.FederationEngine` step and returns its result.
 
-Tasks take and return in-memory objects (numpy arrays, dataclasses); none of them is
-cached or persisted by Prefect (``NO_CACHE``): the federation's durable state is
-committed by the flow, not by Prefect's result store. Client work is mapped over chunks
-of clients so that hundreds of clients do not become hundreds of tiny tasks.
+Tasks take and return in-memory objects (the engine, its round context, numpy arrays,
+dataclasses); none of them is cached or persisted by Prefect (``NO_CACHE``): the
+federation's durable state is committed by the flow, not by Prefect's result store.
+Training is mapped over chunks of clients so that hundreds of clients do not become
+hundreds of tiny tasks; each chunk is one call of the transport (``Clients.train``).
+No task sees a client's data: the engine reaches the clients only through the seam.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from clma.cohort import AutoKMeans, CLMACohorter
-from clma.config import FederationConfig
-from clma.params import AllParams, DefaultSelector, flatten_state, unflatten_state
-from clma.rounds import (
-    ClientUpdate,
-    CohortingOutcome,
-    aggregate_per_cohort,
-    cohort_quarantined,
-    merge_reconverged,
-    quarantine,
-    select_clients,
-)
-from clma.sim.federation import (
-    ClientEvaluation,
-    ClientTrainResult,
-    SimClient,
-    SimulatedFederation,
-    evaluate_clients,
-    train_clients,
-)
+from clma.engine import FederationEngine, Replies, RoundContext
+from clma.engine.divergence import DivergenceOutcome
+from clma.rounds import ClientUpdate, CohortingOutcome
 
 __all__ = [
-    "select_clients_task",
-    "inject_drift_task",
-    "train_clients_task",
-    "detect_drift_task",
+    "TASK_OPTIONS",
     "aggregate_task",
-    "cohort_task",
-    "merge_task",
-    "evaluate_clients_task",
     "chunked",
-    "make_cohorter",
+    "cohort_task",
+    "detect_drift_task",
+    "merge_task",
+    "prefect_step",
+    "score_divergence_task",
+    "select_clients_task",
+    "train_clients_task",
 ]
 
-_TASK = {"cache_policy": NO_CACHE, "persist_result": False}
+TASK_OPTIONS: dict[str, Any] = {"cache_policy": NO_CACHE, "persist_result": False}
 
 
 def chunked(items: Sequence[int], size: int) -> list[list[int]]:
@@ -57,132 +42,64 @@ def chunked(items: Sequence[int], size: int) -> list[list[int]]:
     return [list(items[i : i + size]) for i in range(0, len(items), size)]
 
 
-def make_cohorter(config: FederationConfig) -> CLMACohorter:
-    """The cohorter the config describes."""
-    c = config.cohort
-    return CLMACohorter(
-        clusterer=AutoKMeans(
-            fixed_k=c.fixed_k, max_k=c.max_k, min_silhouette=c.min_silhouette,
-            random_state=config.seed,
-        ),
-        variance_threshold=c.variance_threshold,
-        center=c.center,
-        min_ks_magnitude=c.min_ks_magnitude,
-    )
+@task(name="select-clients", **TASK_OPTIONS)
+def select_clients_task(engine: FederationEngine, round_number: int) -> RoundContext:
+    """Seeded selection of this round's participants (and the models they start from)."""
+    return engine.begin_round(round_number)
 
 
-@task(name="select-clients", **_TASK)
-def select_clients_task(fed: SimulatedFederation, round_number: int) -> list[int]:
-    """Seeded selection of this round's participants."""
-    rng = np.random.default_rng([fed.config.seed, round_number, 11])
-    return select_clients(fed.client_ids, fed.config.training.participation, rng)
+@task(name="train-clients", **TASK_OPTIONS)
+def train_clients_task(engine: FederationEngine, ctx: RoundContext, client_ids: list[int]
+                       ) -> Replies[ClientUpdate]:
+    """On-device local training and drift flag for one chunk of clients (one transport
+    call); replies checked, a malformed one is a dropout."""
+    return engine.train(ctx, client_ids)
 
 
-@task(name="inject-drift (simulation)", **_TASK)
-def inject_drift_task(fed: SimulatedFederation, round_number: int) -> dict[int, str]:
-    """Simulation only: apply the drift schedule's events for this round (ground truth)."""
-    return fed.inject_drift(round_number)
-
-
-@task(name="train-clients", **_TASK)
-def train_clients_task(
-    clients: list[SimClient],
-    models: dict[int, np.ndarray],
-    cohort_of: dict[int, int],
-    fed_config: FederationConfig,
-    spec: Any,
-    round_number: int,
-) -> list[ClientTrainResult]:
-    """On-device local training + drift flag for one chunk of clients."""
-    return train_clients(
-        clients, models, cohort_of, spec, fed_config.training, fed_config.drift.gamma,
-        fed_config.seed, round_number,
-    )
-
-
-@task(name="detect-drift", **_TASK)
-def detect_drift_task(updates: Sequence[ClientUpdate], cohorting_enabled: bool) -> list[int]:
+@task(name="detect-drift", **TASK_OPTIONS)
+def detect_drift_task(engine: FederationEngine, ctx: RoundContext) -> list[int]:
     """Quarantine the clients whose on-device flag is set (none under plain FedAvg)."""
-    return quarantine(updates) if cohorting_enabled else []
+    return engine.detect_drift(ctx)
 
 
-@task(name="aggregate-per-cohort", **_TASK)
-def aggregate_task(
-    updates: Sequence[ClientUpdate],
-    quarantined: Sequence[int],
-    cohort_models: Mapping[int, np.ndarray],
-    weights: Mapping[int, float] | None = None,
-) -> dict[int, np.ndarray]:
-    """FedAvg within each cohort over its non-quarantined members."""
-    return aggregate_per_cohort(updates, quarantined, cohort_models, weights)
+@task(name="score-divergence", **TASK_OPTIONS)
+def score_divergence_task(engine: FederationEngine, ctx: RoundContext
+                          ) -> DivergenceOutcome | None:
+    """Atypical-client scores of every client of the round."""
+    return engine.score_divergence(ctx)
 
 
-def _selector_fn(fed: SimulatedFederation):
-    """Full-state vector -> the DefaultSelector's sub-vector (identity when they agree)."""
-    template = fed.spec.build()
-    state = template.state_dict()
-    full = AllParams().select_module(template)
-    chosen = DefaultSelector().select_module(template)
-    if chosen == full:
-        return lambda v: v
-    shapes = {n: state[n] for n in full}
-    return lambda v: flatten_state(unflatten_state(v, shapes), chosen)
+@task(name="aggregate-per-cohort", **TASK_OPTIONS)
+def aggregate_task(engine: FederationEngine, ctx: RoundContext) -> dict[str, Any]:
+    """FedAvg (or DP-FedAvg after the training charge) within each cohort."""
+    engine.aggregate(ctx)
+    return {"cohorts": sorted(ctx.models), "training": None if ctx.training is None else
+            {k: v for k, v in ctx.training.items() if k not in ("reservation", "released",
+                                                                 "stored_new")}}
 
 
-@task(name="cohort", **_TASK)
-def cohort_task(
-    fed: SimulatedFederation,
-    updates: Sequence[ClientUpdate],
-    quarantined: Sequence[int],
-    cohort_models: Mapping[int, np.ndarray],
-    round_number: int,
-    start_models: Mapping[int, np.ndarray],
-    new_model: Any = None,
-    weights: Mapping[int, float] | None = None,
-    atypical: Sequence[int] = (),
-) -> tuple[dict[int, np.ndarray], CohortingOutcome]:
-    """CLMA Algorithm 3 on the quarantined clients: new child cohorts in the registry.
-
-    ``start_models`` are the cohort models the clients started this round from (the KS
-    reference); ``cohort_models`` the models after this round's aggregation. ``weights`` and
-    ``atypical`` are the round's divergence outcome (``DivergenceOutcome.weights`` /
-    ``.flagged``): the action reaches new cohorts' first models too
-    (:func:`clma.rounds.cohort_quarantined`).
-    """
-    if not quarantined:
-        return dict(cohort_models), CohortingOutcome()
-    return cohort_quarantined(
-        updates, quarantined, cohort_models, fed.registry, make_cohorter(fed.config),
-        round_number, select=_selector_fn(fed), start_models=start_models, new_model=new_model,
-        weights=weights, atypical=atypical,
-    )
+@task(name="cohort", **TASK_OPTIONS)
+def cohort_task(engine: FederationEngine, ctx: RoundContext) -> CohortingOutcome:
+    """CLMA Algorithm 3 on the quarantined clients: new child cohorts in the registry."""
+    return engine.cohort(ctx)
 
 
-@task(name="merge-cohorts", **_TASK)
-def merge_task(
-    fed: SimulatedFederation, cohort_models: Mapping[int, np.ndarray], round_number: int
-) -> tuple[dict[int, np.ndarray], list[tuple[list[int], int]]]:
-    """Merge cohorts whose models reconverged (off unless merge_cohorts_threshold is set).
-
-    Displacements are measured from the federation's pre-drift consensus model (the
-    source cohort's model when the first drift split happened), so the shared training
-    before any drift does not make every pair of cohorts look alike.
-    """
-    sizes = {c: len(fed.registry.members(c)) for c in fed.registry.active_cohorts()}
-    reference = fed.merge_reference if fed.merge_reference is not None else fed.initial_model
-    return merge_reconverged(
-        cohort_models, fed.registry, reference, fed.config.cohort.merge_cohorts_threshold,
-        round_number, sizes, select=_selector_fn(fed),
-    )
+@task(name="merge-cohorts", **TASK_OPTIONS)
+def merge_task(engine: FederationEngine, ctx: RoundContext) -> list[tuple[list[int], int]]:
+    """Merge cohorts whose models reconverged (off unless merge_cohorts_threshold is set)."""
+    out = engine.merge(ctx)
+    engine.end_training(ctx)
+    return out
 
 
-@task(name="evaluate-clients", **_TASK)
-def evaluate_clients_task(
-    clients: list[SimClient],
-    models: dict[int, np.ndarray],
-    cohort_of: dict[int, int],
-    spec: Any,
-    loss_max: float,
-) -> list[ClientEvaluation]:
-    """On-device evaluation (clipped accuracy and loss) for one chunk of clients."""
-    return evaluate_clients(clients, models, cohort_of, spec, loss_max)
+_STEP_TASKS: dict[str, Any] = {}
+
+
+def prefect_step(name: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """The engine's step runner inside a flow: runs ``fn`` as a Prefect task named
+    ``name`` (one task object per name, created on first use)."""
+    t = _STEP_TASKS.get(name)
+    if t is None:
+        t = task(name=name, **TASK_OPTIONS)(lambda f, *a, **k: f(*a, **k))
+        _STEP_TASKS[name] = t
+    return t(fn, *args, **kwargs)

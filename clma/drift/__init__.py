@@ -2,6 +2,8 @@
 inference-time monitor (Algorithm 4)."""
 
 from clma.drift.detectors import DriftDetector, LossThresholdDetector, check_loss
+from clma.drift.history import RoundKeyedState
 from clma.drift.monitor import InferenceDriftMonitor
 
-__all__ = ["DriftDetector", "InferenceDriftMonitor", "LossThresholdDetector", "check_loss"]
+__all__ = ["DriftDetector", "InferenceDriftMonitor", "LossThresholdDetector", "RoundKeyedState",
+           "check_loss"]

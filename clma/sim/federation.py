@@ -3,52 +3,46 @@
 :func:`build_federation` turns a :class:`clma.config.FederationConfig` into a
 :class:`SimulatedFederation`: the dataset's fixed held-out split (test + probe), the
 client pool divided IID or Dirichlet(alpha), each client's data split into local training
-and local evaluation parts, regions from the versioned partition file, the initial model,
-and the cohort registry with every client in root cohort 0.
+and local evaluation parts, regions from the versioned partition file, and the initial
+model. It is the simulated *world*: the devices' data belong to the simulated clients
+(:class:`clma.sim.clients.SimulatedClients`, the transport that plays them), the public
+parts to the server (:meth:`SimulatedFederation.assets`). The server's state (cohorts,
+models, ledger) lives in the round engine, not here.
 
-Client work is done by pure functions (:func:`train_clients`, :func:`evaluate_clients`)
-that take the clients' data and the models and return results, so an orchestrator can run
-them in threads, processes or on a cluster. Everything is seeded: the same config gives
-the same clients, the same training and the same numbers.
+Drift is a function of the round: a client's data at round r carry every event of the
+config's drift schedule with ``event.round <= r`` (:meth:`SimulatedFederation.drifts_for`).
+Everything is seeded: the same config gives the same clients, training and numbers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
-from clma.cohort import CohortRegistry
-from clma.config import FederationConfig, TrainingConfig
-from clma.drift import LossThresholdDetector
+from clma.config import FederationConfig
+from clma.engine.state import ServerAssets
 from clma.params import model_to_vector
 from clma.regions import PartitionError, RegionPartition, load_partition
-from clma.rounds import ClientUpdate
 from clma.sim.data import Dataset, DatasetError, holdout_split, load_dataset
 from clma.sim.drift import AppliedDrift, apply_drifts
 from clma.sim.models import MLPSpec
 from clma.sim.partition import dirichlet_partition, iid_partition
-from clma.sim.training import local_train, predict_proba
 
 __all__ = [
     "SimClient",
-    "ClientTrainResult",
     "ClientEvaluation",
     "SimulatedFederation",
     "build_federation",
-    "train_clients",
-    "evaluate_clients",
 ]
 
 
 @dataclass
 class SimClient:
-    """One simulated device: its private data (never sent), region and drift history.
+    """One simulated device's private data (never sent) and region.
 
-    ``train_*`` / ``eval_*`` are the data before any drift; :meth:`current` applies the
-    drifts. ``detector_state`` is the on-device drift detector's state (client side).
+    ``train_*`` / ``eval_*`` are the data before any drift; :meth:`current` applies
+    ``drifts`` (set from the schedule, see :meth:`SimulatedFederation.drifts_for`).
     """
 
     client_id: int
@@ -59,7 +53,6 @@ class SimClient:
     eval_y: np.ndarray
     n_classes: int
     drifts: list[AppliedDrift] = field(default_factory=list)
-    detector_state: dict[str, Any] | None = None
 
     def current(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Current (drifted) ``train_x, train_y, eval_x, eval_y``."""
@@ -70,14 +63,6 @@ class SimClient:
     @property
     def families(self) -> list[str]:
         return [d.family for d in self.drifts]
-
-
-@dataclass(frozen=True)
-class ClientTrainResult:
-    """The update sent to the server, and the new on-device detector state (kept local)."""
-
-    update: ClientUpdate
-    detector_state: dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -102,7 +87,7 @@ class ClientEvaluation:
 
 @dataclass
 class SimulatedFederation:
-    """State of a simulated federation between rounds."""
+    """The simulated world of a federation (module docstring)."""
 
     config: FederationConfig
     spec: MLPSpec
@@ -113,11 +98,7 @@ class SimulatedFederation:
     probe_x: np.ndarray
     probe_indices: np.ndarray
     initial_model: np.ndarray
-    registry: CohortRegistry
-    cohort_models: dict[int, np.ndarray]
     dataset_name: str
-    rounds_done: int = 0
-    merge_reference: np.ndarray | None = None
 
     @property
     def client_ids(self) -> list[int]:
@@ -126,38 +107,45 @@ class SimulatedFederation:
     def region_of(self) -> dict[int, str]:
         return {c: cl.region for c, cl in self.clients.items()}
 
-    def drifted_clients(self) -> list[int]:
-        """Clients that have undergone at least one injected drift (ground truth)."""
-        return sorted(c for c, cl in self.clients.items() if cl.drifts)
+    def assets(self) -> ServerAssets:
+        """What the server may hold: architecture, initial model, the shared probe set
+        (held-out public data) and the region partition."""
+        return ServerAssets(model_spec=self.spec, initial_model=self.initial_model,
+                            probe_x=self.probe_x, partition=self.partition,
+                            dataset_name=self.dataset_name)
 
-    def stationary_clients(self) -> list[int]:
-        return sorted(c for c, cl in self.clients.items() if not cl.drifts)
-
-    def inject_drift(self, round_number: int) -> dict[int, str]:
-        """Apply the schedule's events of ``round_number`` to the clients' data.
-
-        Returns client id -> family for the clients drifted now (simulation ground truth).
-        """
-        hit: dict[int, str] = {}
-        for i, ev in enumerate(self.config.drift.events):
-            if ev.round != round_number:
+    def drifts_for(self, client_id: int, round_number: int) -> list[AppliedDrift]:
+        """The drifts client ``client_id`` has undergone by round ``round_number`` (every
+        schedule event with ``event.round <= round_number`` naming it, in round order, then
+        schedule order). Noise seeds are derived from (seed, event round, client, event)."""
+        out = []
+        events = sorted(enumerate(self.config.drift.events), key=lambda p: (p[1].round, p[0]))
+        for i, ev in events:
+            if ev.round > round_number or client_id not in ev.clients:
                 continue
-            for c in ev.clients:
-                if c not in self.clients:
-                    continue
-                noise_seed = int(
-                    np.random.default_rng([self.config.seed, round_number, c, i]).integers(2**31)
-                )
-                self.clients[c].drifts.append(
-                    AppliedDrift(round_number, ev.kind, ev.family, ev.shift, ev.magnitude,
-                                 noise_seed)
-                )
-                hit[c] = ev.family
+            noise_seed = int(
+                np.random.default_rng([self.config.seed, ev.round, client_id, i]).integers(2**31))
+            out.append(AppliedDrift(ev.round, ev.kind, ev.family, ev.shift, ev.magnitude,
+                                    noise_seed))
+        return out
+
+    def drifted_at(self, round_number: int) -> dict[int, str]:
+        """Simulation ground truth: client id -> family for the clients drifted AT
+        ``round_number`` (events of that round)."""
+        hit: dict[int, str] = {}
+        for ev in self.config.drift.events:
+            if ev.round == round_number:
+                for c in ev.clients:
+                    if c in self.clients:
+                        hit[c] = ev.family
         return dict(sorted(hit.items()))
 
-    def models_for(self, client_ids: Sequence[int]) -> dict[int, np.ndarray]:
-        """The cohort model each listed client starts from: client id -> float32 vector."""
-        return {c: self.cohort_models[self.registry.cohort_of(c)] for c in client_ids}
+    def drifted_clients(self, round_number: int) -> list[int]:
+        """Clients drifted at least once by ``round_number`` (ground truth)."""
+        return sorted(c for c in self.clients if self.drifts_for(c, round_number))
+
+    def stationary_clients(self, round_number: int) -> list[int]:
+        return sorted(c for c in self.clients if not self.drifts_for(c, round_number))
 
 
 def build_federation(config: FederationConfig) -> SimulatedFederation:
@@ -214,8 +202,6 @@ def build_federation(config: FederationConfig) -> SimulatedFederation:
     from clma.params import AllParams
 
     initial = model_to_vector(spec.build(seed=config.seed), AllParams())
-    registry = CohortRegistry()
-    root = registry.create_root(sorted(clients), 0)
     return SimulatedFederation(
         config=config,
         spec=spec,
@@ -226,86 +212,5 @@ def build_federation(config: FederationConfig) -> SimulatedFederation:
         probe_x=dataset.images[split.probe],
         probe_indices=split.probe,
         initial_model=initial,
-        registry=registry,
-        cohort_models={root: initial.copy()},
         dataset_name=dataset.name,
     )
-
-
-def train_clients(
-    clients: Sequence[SimClient],
-    models: Mapping[int, np.ndarray],
-    cohort_of: Mapping[int, int],
-    spec: MLPSpec,
-    training: TrainingConfig,
-    gamma: float,
-    seed: int,
-    round_number: int,
-) -> list[ClientTrainResult]:
-    """On-device work of a round for a chunk of clients (pure; runs anywhere).
-
-    Each client loads its cohort's model (``models[client_id]``), computes that model's
-    loss on its current local data, updates its :class:`clma.drift.LossThresholdDetector`
-    (flag when the loss rose by more than ``gamma`` over its previous round), trains
-    ``training.local_epochs`` epochs of SGD, and returns its update with the flag bit.
-    The loss itself never leaves the device.
-    """
-    out = []
-    for cl in clients:
-        tx, ty, _, _ = cl.current()
-        rng = np.random.default_rng([seed, round_number, cl.client_id, 7])
-        res = local_train(
-            spec,
-            models[cl.client_id],
-            tx,
-            ty,
-            epochs=training.local_epochs,
-            learning_rate=training.learning_rate,
-            batch_size=training.batch_size,
-            rng=rng,
-        )
-        det = LossThresholdDetector(gamma)
-        if cl.detector_state is not None:
-            det.load_state_dict(cl.detector_state)
-        flag = bool(det.update(res.pre_loss))
-        out.append(
-            ClientTrainResult(
-                ClientUpdate(cl.client_id, int(cohort_of[cl.client_id]), res.vector, res.n_samples,
-                             flag),
-                det.state_dict(),
-            )
-        )
-    return out
-
-
-def evaluate_clients(
-    clients: Sequence[SimClient],
-    models: Mapping[int, np.ndarray],
-    cohort_of: Mapping[int, int],
-    spec: MLPSpec,
-    loss_max: float,
-    *,
-    keep_probabilities: bool = False,
-) -> list[ClientEvaluation]:
-    """On-device evaluation of each client's cohort model on its local evaluation data.
-
-    Accuracy and mean cross-entropy are computed on the device and the loss is clipped to
-    ``[0, loss_max]`` before it leaves. ``keep_probabilities`` also returns the predicted
-    probabilities (for on-device histogram / calibration metrics).
-    """
-    out = []
-    for cl in clients:
-        _, _, ex, ey = cl.current()
-        proba = predict_proba(spec, models[cl.client_id], ex)
-        p_true = np.clip(proba[np.arange(ey.shape[0]), ey], 1e-12, 1.0)
-        loss = float(np.clip(-np.log(p_true).mean(), 0.0, loss_max))
-        acc = float((proba.argmax(axis=1) == ey).mean())
-        out.append(
-            ClientEvaluation(
-                cl.client_id, cl.region, int(cohort_of[cl.client_id]), acc, loss,
-                int(ey.shape[0]),
-                proba if keep_probabilities else None,
-                ey if keep_probabilities else None,
-            )
-        )
-    return out

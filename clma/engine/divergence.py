@@ -1,29 +1,28 @@
-"""Prefect task: score every client of a round for atypical behaviour (issue 6, items 5-6).
+"""Atypical clients: score every client of a round (representation and parameter signals).
 
 Two signals, computed on the same round from the same updates:
 
-* **representation** (the product's signal, arXiv:2605.22266, Pérez-Corral et al. 2026,
-  Sec. 3-4): ``D_c`` = hierarchical divergence between the activation-pattern affinities of
-  client ``c``'s local model and of the model it started the round from (its cohort's start
-  model), on the federation's fixed shared probe set ``fed.probe_x``; robust z across the
-  round's clients (median / 1.4826 MAD, :func:`clma.divergence.robust_z_stats`); clients with
-  ``z > divergence.z_threshold`` are flagged;
-* **parameter baseline**: cosine distance of each client's update (``params - start model``)
-  to the *leave-one-out* mean update of the other clients (unweighted), with the same robust
-  z and threshold (:func:`clma.divergence.parameter_baseline` with ``leave_one_out=True``:
-  without it the mean includes the client itself, and one huge outlier drags the mean
-  towards itself and can rank *lowest*).
+* **representation** (arXiv:2605.22266, Pérez-Corral et al. 2026, Sec. 3-4): ``D_c`` =
+  hierarchical divergence between the activation-pattern affinities of client ``c``'s
+  local model and of the model it started the round from (its cohort's start model), on
+  the federation's fixed shared probe set (:attr:`ServerAssets.probe_x`); robust z across
+  the round's clients (median / 1.4826 MAD, :func:`clma.divergence.robust_z_stats`);
+  clients with ``z > divergence.z_threshold`` are flagged;
+* **parameter baseline**: cosine distance of each client's update (``params - start
+  model``) to the *leave-one-out* mean update of the other clients (unweighted), with the
+  same robust z and threshold (:func:`clma.divergence.parameter_baseline` with
+  ``leave_one_out=True``: without it one huge outlier drags the mean towards itself and
+  can rank *lowest*).
 
 ``divergence.signal`` picks whose flags count (:func:`flagged_by`): ``representation``
 (default), ``parameter``, ``either`` (union) or ``both`` (intersection). That flagged set
 drives ``divergence.action``: ``report`` leaves aggregation unchanged (weights ``None``);
-``downweight`` multiplies a flagged client's FedAvg weight by ``divergence.downweight_factor``
-(default 0.5); ``exclude`` sets it to 0.
+``downweight`` multiplies a flagged client's FedAvg weight by
+``divergence.downweight_factor``; ``exclude`` sets it to 0.
 
-Privacy: :meth:`DivergenceOutcome.summary` (what goes to MLflow and the round record) holds
-distribution statistics and counts only, never a client id. The full reports (client id ->
-score) stay in memory on the server, which already sees individual updates (DESIGN.md, trust
-model).
+Privacy: :meth:`DivergenceOutcome.summary` (what is published) holds distribution
+statistics and counts only, never a client id. The full reports (client id -> score) stay
+in memory on the server, which already sees individual updates (DESIGN.md, trust model).
 """
 
 from __future__ import annotations
@@ -35,29 +34,24 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from prefect import task
-from prefect.cache_policies import NO_CACHE
 
+from clma.config import DivergenceConfig
 from clma.divergence import (
     DivergenceReport,
     RepresentationScorer,
     build_report,
     parameter_baseline,
-    probe_digest,
 )
+from clma.engine.state import ServerAssets
 from clma.params import AllParams, vector_to_model
 from clma.rounds import ClientUpdate
-from clma.sim.federation import SimulatedFederation
 
 __all__ = [
     "DivergenceOutcome",
     "aggregation_weights",
-    "probe_sha256",
+    "flagged_by",
     "score_divergence",
-    "score_divergence_task",
 ]
-
-_TASK = {"cache_policy": NO_CACHE, "persist_result": False}
 
 
 def _nan_to_none(v: float) -> float | None:
@@ -140,11 +134,6 @@ def flagged_by(
     return sorted(sets[signal])
 
 
-def probe_sha256(fed: SimulatedFederation) -> str:
-    """SHA-256 of the federation's shared probe set (float32 bytes + shape)."""
-    return probe_digest(fed.probe_x)
-
-
 def aggregation_weights(
     flagged: Sequence[int], action: str, downweight_factor: float
 ) -> dict[int, float] | None:
@@ -172,7 +161,8 @@ def _round_report(
 
 
 def score_divergence(
-    fed: SimulatedFederation,
+    settings: DivergenceConfig,
+    assets: ServerAssets,
     updates: Sequence[ClientUpdate],
     start_models: Mapping[int, np.ndarray],
     round_number: int,
@@ -180,8 +170,10 @@ def score_divergence(
     """Score every client of the round (see the module docstring). Pure server-side step.
 
     Args:
-        fed: the federation (``fed.probe_x`` ``(P, c, h, w)`` float32 probe set,
-            ``fed.spec`` the architecture, ``fed.config.divergence`` the settings).
+        settings: the ``divergence`` section of the config (beta, z threshold, action,
+            signal, down-weight factor).
+        assets: the server's public assets (``probe_x`` ``(P, ...)`` float32 shared probe
+            set, ``model_spec`` the architecture).
         updates: the round's client updates; ``params`` float32 ``(n_params,)`` full state
             (``AllParams`` order), ``cohort_id`` the cohort the client started from.
         start_models: cohort id -> float32 ``(n_params,)`` model the cohort's clients started
@@ -196,7 +188,7 @@ def score_divergence(
         ValueError: no updates, duplicate client ids, an update whose cohort has no start
             model, or a parameter vector of the wrong length.
     """
-    cfg = fed.config.divergence
+    cfg = settings
     if not updates:
         raise ValueError("updates: a round needs at least one client update to score")
     ids = [int(u.client_id) for u in updates]
@@ -206,11 +198,11 @@ def score_divergence(
     if missing:
         raise ValueError("start_models: a client's cohort has no start model")
 
-    scorer = RepresentationScorer(fed.probe_x, beta=cfg.beta, z_threshold=cfg.z_threshold)
+    scorer = RepresentationScorer(assets.probe_x, beta=cfg.beta, z_threshold=cfg.z_threshold)
     selector = AllParams()
 
     def module(vec: np.ndarray):
-        return vector_to_model(vec, fed.spec.build(), selector)
+        return vector_to_model(vec, assets.model_spec.build(), selector)
 
     # representation: D_c against the client's own cohort start model (one reference per cohort)
     by_cohort: dict[int, list[ClientUpdate]] = defaultdict(list)
@@ -251,14 +243,3 @@ def score_divergence(
                                     cfg.action, cfg.downweight_factor),
         cohorts={int(u.client_id): int(u.cohort_id) for u in updates},
     )
-
-
-@task(name="score-divergence", **_TASK)
-def score_divergence_task(
-    fed: SimulatedFederation,
-    updates: Sequence[ClientUpdate],
-    start_models: Mapping[int, np.ndarray],
-    round_number: int,
-) -> DivergenceOutcome:
-    """Prefect task wrapping :func:`score_divergence` (one call per round, all clients)."""
-    return score_divergence(fed, updates, start_models, round_number)

@@ -1,0 +1,236 @@
+"""The client side of the Clients seam: what ONE device does at each step of a round.
+
+Every transport's clients run these functions on the device (the simulated clients in
+process, a Dask worker, a Flower ClientApp on a SuperNode), so the on-device rules exist
+once:
+
+* :func:`train_on_device` — the CLMA client round (Algorithm 2): the received model's
+  loss on the current local data before training feeds the on-device drift detector
+  (:class:`clma.drift.LossThresholdDetector`, state keyed by round:
+  :class:`clma.drift.RoundKeyedState`), then local training; the reply holds the model,
+  the sample count and the flag bit — never the loss;
+* :func:`quantised_report` — the on-device metric report (:func:`clma.metrics.compute_device_report`),
+  clipped to the announced layout and quantised to integers in ``[0, Q]``;
+* :class:`DeviceSecAgg` — the device's secure-aggregation state of one round (one
+  :class:`clma.privacy.secagg.SecAggClient` per session; its secrets never leave it),
+  answering each protocol step, and unmasking at most once per session. It serialises to
+  plain data (:meth:`DeviceSecAgg.to_dict`) for transports whose device process does not
+  live between steps (a Flower ClientApp).
+
+The local model is the device's own: a :class:`LocalLearner` (the simulation's MLP on its
+shard, or a user's torch model and data loader).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from clma.drift import LossThresholdDetector, RoundKeyedState
+from clma.engine.clients import ReportRequest, SecAggSession, ShareKeysRequest, TrainSettings
+from clma.metrics import DeviceMetricLayout, compute_device_report
+from clma.privacy.secagg import (
+    AdvertiseKeys,
+    EncryptedShare,
+    FixedPointQuantiser,
+    MaskedInput,
+    SecAggAbort,
+    SecAggClient,
+    SecAggConfig,
+    ShareKeys,
+    UnmaskingRequest,
+    UnmaskingResponse,
+)
+from clma.rounds import ClientUpdate
+
+__all__ = [
+    "DeviceSecAgg",
+    "LocalFit",
+    "LocalLearner",
+    "quantised_report",
+    "train_on_device",
+]
+
+
+@dataclass(frozen=True)
+class LocalFit:
+    """Result of local training on the device.
+
+    ``params``: float32 ``(n_params,)`` trained model; ``pre_loss``: the received model's
+    mean loss on the current local training data before training (nats; stays on the
+    device); ``n_samples``: local training examples (>= 1).
+    """
+
+    params: np.ndarray
+    pre_loss: float
+    n_samples: int
+
+
+class LocalLearner(Protocol):
+    """The device's model and data (implemented by the simulation or by the user)."""
+
+    def fit(self, params: np.ndarray, settings: TrainSettings, round_number: int) -> LocalFit:
+        """Train from ``params`` (float32 ``(n_params,)``) on the local data of this round."""
+        ...
+
+    def predict(self, params: np.ndarray, round_number: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(probabilities (n, n_classes) float, labels (n,) int)`` of the model ``params``
+        on the local evaluation data of this round."""
+        ...
+
+
+def train_on_device(client_id: int, cohort_id: int, params: np.ndarray, settings: TrainSettings,
+                    round_number: int, learner: LocalLearner,
+                    history: RoundKeyedState) -> ClientUpdate:
+    """One client's training step (module docstring); updates ``history`` for the round.
+
+    The detector starts from the state of the last round before ``round_number``, so a
+    round asked again (server retry) gives the same flag.
+    """
+    fit = learner.fit(np.asarray(params, dtype=np.float32), settings, round_number)
+    det = LossThresholdDetector(settings.drift_gamma)
+    prev = history.before(round_number)
+    if prev is not None:
+        det.load_state_dict({**prev, "gamma": float(settings.drift_gamma)})
+    flag = bool(det.update(fit.pre_loss))
+    history.record(round_number, det.state_dict())
+    return ClientUpdate(int(client_id), int(cohort_id), np.asarray(fit.params, dtype=np.float32),
+                        int(fit.n_samples), flag)
+
+
+def quantised_report(probabilities: Any, labels: Any, layout: DeviceMetricLayout,
+                     levels: int) -> np.ndarray:
+    """The device's metric report, clipped to ``layout`` and quantised: uint64 ``(32,)``
+    in ``[0, levels]`` (:class:`clma.privacy.secagg.FixedPointQuantiser`)."""
+    report = compute_device_report(probabilities, labels, layout)
+    quant = FixedPointQuantiser(layout.lower_bounds(), layout.upper_bounds(), levels)
+    return quant.quantise(report.vector)
+
+
+def _b64(b: bytes) -> str:
+    return base64.b64encode(b).decode("ascii")
+
+
+def _unb64(s: str) -> bytes:
+    return base64.b64decode(s.encode("ascii"))
+
+
+class DeviceSecAgg:
+    """One device's secure-aggregation state for one round (module docstring).
+
+    Args:
+        client_id: the device's client id (its id inside every session).
+        round_number: the round; a request for another round is refused.
+    """
+
+    def __init__(self, client_id: int, round_number: int) -> None:
+        self.client_id = int(client_id)
+        self.round = int(round_number)
+        self.sessions: dict[str, SecAggClient] = {}
+        self.inputs: dict[str, np.ndarray] = {}
+        self.unmasked: set[str] = set()
+
+    def _check_round(self, round_number: int) -> None:
+        if int(round_number) != self.round:
+            raise SecAggAbort("request for another round than the one in progress")
+
+    def advertise(self, quantised: np.ndarray, sessions: Mapping[str, SecAggSession]
+                  ) -> dict[str, AdvertiseKeys]:
+        """Start every listed session with this report; its public keys per session."""
+        out = {}
+        for sid, sess in sorted(sessions.items()):
+            if self.client_id not in sess.members:
+                continue
+            c = SecAggClient(self.client_id, sess.config)
+            self.sessions[sid] = c
+            self.inputs[sid] = np.asarray(quantised, dtype=np.uint64)
+            out[sid] = c.advertise()
+        return out
+
+    def share_keys(self, requests: Mapping[str, ShareKeysRequest]) -> dict[str, ShareKeys]:
+        return {sid: self.sessions[sid].share_keys(r.roster, r.neighbours)
+                for sid, r in sorted(requests.items()) if sid in self.sessions}
+
+    def masked_input(self, inboxes: Mapping[str, Sequence[EncryptedShare]]) -> dict[str, MaskedInput]:
+        out = {}
+        for sid, box in sorted(inboxes.items()):
+            if sid not in self.sessions:
+                continue
+            c = self.sessions[sid]
+            c.receive_shares(list(box))
+            out[sid] = c.masked_input(self.inputs[sid])
+        return out
+
+    def unmask(self, requests: Mapping[str, UnmaskingRequest]) -> dict[str, UnmaskingResponse]:
+        """Answer each session's unmasking request once; the session's secrets are then
+        dropped (a second request for it is refused)."""
+        out = {}
+        for sid, req in sorted(requests.items()):
+            if sid in self.unmasked:
+                raise SecAggAbort("unmasking already answered for this session")
+            if sid not in self.sessions:
+                continue
+            out[sid] = self.sessions[sid].unmask(req)
+            self.unmasked.add(sid)
+            del self.sessions[sid]
+            self.inputs.pop(sid, None)
+        return out
+
+    # ------------------------------------------------------------ serialisation
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON data holding the device's secrets (store it on the device only)."""
+        sess = {}
+        for sid, c in self.sessions.items():
+            held = c._held
+            sess[sid] = {
+                "config": c.config.model_dump(mode="json"),
+                "c_sk": _b64(c._c_sk.private_bytes_raw()),
+                "s_sk": _b64(c._s_sk.private_bytes_raw()),
+                "b": _b64(c._b),
+                "neighbours": list(c._neighbours),
+                "roster": {str(v): [_b64(k.c_pk), _b64(k.s_pk)] for v, k in c._roster.items()},
+                "held": {str(o): [int(h[0]), *(_b64(x) for x in h[1:])] for o, h in held.items()},
+                "sent_input": bool(c._sent_input),
+                "input": [int(x) for x in self.inputs[sid]],
+            }
+        return {"client_id": self.client_id, "round": self.round, "sessions": sess,
+                "unmasked": sorted(self.unmasked)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> DeviceSecAgg:
+        """Inverse of :meth:`to_dict`."""
+        from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+
+        out = cls(int(data["client_id"]), int(data["round"]))
+        for sid, d in data["sessions"].items():
+            c = SecAggClient(out.client_id, SecAggConfig.model_validate(d["config"]))
+            c._c_sk = X25519PrivateKey.from_private_bytes(_unb64(d["c_sk"]))
+            c._s_sk = X25519PrivateKey.from_private_bytes(_unb64(d["s_sk"]))
+            c._b = _unb64(d["b"])
+            c._neighbours = tuple(int(v) for v in d["neighbours"])
+            c._roster = {int(v): AdvertiseKeys(int(v), _unb64(a), _unb64(b))
+                         for v, (a, b) in d["roster"].items()}
+            c._held = {int(o): (int(h[0]), *(_unb64(x) for x in h[1:]))
+                       for o, h in d["held"].items()}
+            c._sent_input = bool(d["sent_input"])
+            out.sessions[sid] = c
+            out.inputs[sid] = np.asarray(d["input"], dtype=np.uint64)
+        out.unmasked = set(data.get("unmasked", []))
+        return out
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> DeviceSecAgg:
+        return cls.from_dict(json.loads(text))
+
+
+def report_request_for(request: ReportRequest, client_id: int) -> dict[str, SecAggSession]:
+    """The sessions of ``request`` that list ``client_id``."""
+    return request.sessions_of(client_id)

@@ -1,0 +1,760 @@
+"""The private evaluation of a round, server side: secure sums, releases, envelopes, alerts.
+
+The server aggregates numbers, it never computes them, and it never sees one client's
+metric. One evaluation round, as data (what the server sees in brackets)::
+
+    device   the client computes its 32-value report on its own evaluation data
+             (clma.metrics.compute_device_report: accuracy, mean loss with per-example
+             loss clipped to [0, L_max], 7-bin error histogram with fixed edges,
+             calibration masses, sample-count bucket), clips it and quantises it to
+             integers in [0, Q]                                          [nothing]
+    secagg   one session per aggregated group (clma.engine.secure_sum over the Clients
+             seam): pairwise-masked inputs                 [uniform masked vectors, then
+             only the exact integer SUM of the survivors and who survived]
+             fewer than the floor -> not unmasked; fewer than t -> aborted
+    noise    Laplace once on each released sum (clma.release.aggregate_sum /
+             aggregate_vector_sum), never per client                  [noisy sums]
+    publish  value clamped to the clip range, error bar from the participant band's
+             lower edge, band instead of the count, one closed envelope per release
+             (clma.release.build_federated_metric_envelope), suppressed-region count
+             as a band only; round-health (dropout rate) through the same path
+    alerts   per (metric, group): |now - baseline| > bar_now + bar_base on PUBLISHED
+             numbers, baseline per (partition version, bounds version)
+
+Cohort floor: ``m = max(config.evaluation.min_cohort, policy.evaluation.minimum_group_size)``
+(the envelope refuses a minimum group size below the policy floor, so a config asking for
+less is raised to it; recorded in every report as ``min_cohort`` and ``min_cohort_rule``).
+The policy is the federation's configured one (``budget.policy``), passed explicitly.
+
+Releases. Every noise draw is one :class:`PlannedRelease` (metric, group or ``"global"``,
+mechanism, epsilon, budget line); :meth:`PrivateEvaluator.plan` lists them BEFORE any noise
+is drawn from the round's :class:`SecureSums`. The ledger path
+(:mod:`clma.engine.budget`) charges per (scope, metric) line entry and then draws
+(:meth:`PrivateEvaluator.draw`) or re-records a committed payload
+(:meth:`PrivateEvaluator.restore`) into an :class:`EvaluationRound`;
+:meth:`PrivateEvaluator.finish` closes the round (suppressed envelopes, alerts, monitoring
+merges, clip-bound re-derivation, the published report). Groups are disjoint, so every
+group spends the full regional epsilon (parallel composition).
+
+State across rounds: :class:`EvaluationState` (alert baselines, merge tracker, clip-bound
+versions, evaluation count) in ``ServerState.evaluation``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from clma.budget.policy import PrivacyPolicy
+from clma.config import FederationConfig
+from clma.engine.clients import Clients, ReportRequest, SecAggSession
+from clma.engine.secure_sum import run_sessions
+from clma.engine.state import ServerState
+from clma.metrics import DeviceMetricLayout
+from clma.privacy.mechanisms import error_bar, noise_scale
+from clma.privacy.secagg import FixedPointQuantiser, SecAggConfig, secagg_plus_degree
+from clma.regions import RegionPartition
+from clma.release import (
+    Alert,
+    AlertBaselines,
+    AlertRule,
+    BoundsVersion,
+    MetricSpec,
+    RegionMergeTracker,
+    aggregate_sum,
+    aggregate_vector_sum,
+    build_federated_metric_envelope,
+    propose_clip_bound,
+    region_seed,
+    suppressed_region_band,
+    update_bounds,
+)
+from clma.release.aggregate import AggregatedMetric, AggregatedVector, participant_band
+
+__all__ = [
+    "GLOBAL",
+    "HEALTH_METRIC",
+    "HISTOGRAM_METRIC",
+    "LINE_GLOBAL",
+    "LINE_REGIONAL",
+    "QUANTISATION_LEVELS",
+    "SCALAR_METRICS",
+    "STORED_FORMAT",
+    "EvaluationOutcome",
+    "EvaluationRound",
+    "EvaluationState",
+    "GroupSum",
+    "PlannedRelease",
+    "PrivateEvaluator",
+    "ReleasePlan",
+    "SecureSums",
+]
+
+GLOBAL = "global"
+REPORT_SCHEMA = "clma.evaluation/1"
+LINE_GLOBAL = "evaluation.global"
+LINE_REGIONAL = "evaluation.regional"
+#: Scalar metrics released per group: envelope kind and alert direction.
+SCALAR_METRICS: dict[str, tuple[str, str]] = {
+    "accuracy": ("rate", "decrease"),
+    "mean_loss": ("bounded_mean", "increase"),
+}
+HEALTH_METRIC = "health.dropout_rate"
+HISTOGRAM_METRIC = "error_histogram"
+MIN_COHORT_RULE = "max(config evaluation.min_cohort, policy evaluation.minimum_group_size)"
+#: Format of the server-side payload a ledger entry stores (:meth:`PrivateEvaluator.draw`).
+STORED_FORMAT = "clma.evaluation.server/2"
+#: Fixed-point levels Q of the on-device quantiser.
+QUANTISATION_LEVELS = 2**16 - 1
+
+
+# ----------------------------------------------------------------------------- state
+
+
+class EvaluationState(BaseModel):
+    """What the evaluation path keeps between rounds (JSON-serialisable).
+
+    Attributes:
+        baselines: alert baselines keyed ``"metric|group"`` (published numbers only).
+        merges: monitoring-only region merges and below-floor streaks.
+        bounds: metric name -> current versioned clip bounds.
+        evaluations_done: number of evaluation rounds run so far.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    baselines: AlertBaselines = Field(default_factory=AlertBaselines)
+    merges: RegionMergeTracker
+    bounds: dict[str, BoundsVersion]
+    evaluations_done: int = Field(default=0, ge=0)
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> EvaluationState:
+        return cls.model_validate(dict(data))
+
+    def layout(self) -> DeviceMetricLayout:
+        """The on-device layout in force (``l_max`` = current mean-loss clip bound)."""
+        b = self.bounds["mean_loss"]
+        return DeviceMetricLayout(l_max=b.clip_high, version=f"1+{b.label}")
+
+
+# ----------------------------------------------------------------------------- data
+
+
+@dataclass(frozen=True)
+class GroupSum:
+    """Server-side result of one group's secure aggregation (never published as is).
+
+    ``status``: ``ok`` (sum available), ``below_floor`` (fewer than m selected or
+    surviving clients: nothing released), ``aborted`` (fewer than t survivors: the group
+    is not evaluated this round). ``sum`` is the de-quantised float64 ``(32,)`` sum over
+    the contributors (None unless ok).
+    """
+
+    group: str
+    members: tuple[str, ...]
+    selected: int
+    dropped: int
+    status: str
+    contributors: int = 0
+    sum: np.ndarray | None = None
+    sum_quantised: np.ndarray | None = None
+    threshold: int = 0
+
+
+@dataclass
+class SecureSums:
+    """All groups of one evaluation round, plus the global group ``"global"``."""
+
+    round: int
+    min_cohort: int
+    groups: dict[str, GroupSum]
+    layout: DeviceMetricLayout
+    monitoring_version: str
+
+
+@dataclass(frozen=True)
+class PlannedRelease:
+    """One noise draw: what the ledger charges.
+
+    ``region`` is a monitored group (``"west"``, ``"south+west"``) or ``"global"``;
+    ``line`` is the budget line (``evaluation.global`` / ``evaluation.regional``).
+    """
+
+    name: str
+    region: str
+    mechanism: str
+    epsilon: float
+    delta: float | None
+    line: str
+    round: int
+
+    @property
+    def key(self) -> str:
+        """Idempotency key of the release within a run: ``round:name:region``."""
+        return f"{self.round}:{self.name}:{self.region}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "region": self.region, "mechanism": self.mechanism,
+                "epsilon": self.epsilon, "delta": self.delta, "line": self.line,
+                "round": self.round, "key": self.key}
+
+
+@dataclass(frozen=True)
+class ReleasePlan:
+    """All releases an evaluation round will make, known before any noise is drawn."""
+
+    round: int
+    releases: tuple[PlannedRelease, ...]
+
+    def epsilon_by_line(self) -> dict[str, float]:
+        """Epsilon each line is charged: max over groups (parallel), sum over metrics."""
+        per: dict[tuple[str, str], float] = {}
+        for r in self.releases:
+            per[(r.line, r.region)] = per.get((r.line, r.region), 0.0) + r.epsilon
+        out: dict[str, float] = {}
+        for (line, _), eps in per.items():
+            out[line] = max(out.get(line, 0.0), eps)
+        return out
+
+
+@dataclass
+class EvaluationOutcome:
+    """Everything one evaluation round produced.
+
+    Attributes:
+        round: round number.
+        releases: releases made (noise drawn) — the ledger charges exactly these.
+        refused: planned releases not drawn (refused by the ledger, off cadence).
+        published: the JSON-able published report (no exact counts, no client ids).
+        envelopes: relative path ``<metric>/<group>.json`` -> canonical envelope JSON.
+        alerts: fired alerts (published numbers only).
+        not_evaluated: group -> reason (secure aggregation aborted below t).
+        server: server-side results (exact contributors; NEVER published or logged).
+    """
+
+    round: int
+    releases: list[PlannedRelease]
+    refused: list[PlannedRelease]
+    published: dict[str, Any]
+    envelopes: dict[str, str]
+    alerts: list[Alert]
+    not_evaluated: dict[str, str]
+    server: dict[str, AggregatedMetric | AggregatedVector] = field(default_factory=dict)
+
+    @property
+    def alerts_fired(self) -> int:
+        return len(self.alerts)
+
+
+@dataclass
+class _Draws:
+    """Noise draws of one evaluation round, accumulated release by release."""
+
+    made: list[PlannedRelease] = field(default_factory=list)
+    refused: list[PlannedRelease] = field(default_factory=list)
+    server: dict[str, Any] = field(default_factory=dict)
+    envelopes: dict[str, str] = field(default_factory=dict)
+    metrics: dict[str, dict[str, Any]] = field(default_factory=dict)
+    health: dict[str, Any] = field(default_factory=lambda: {"regions": {}, "global": None})
+    released: dict[str, dict[str, AggregatedMetric]] = field(default_factory=dict)
+    histogram: dict[str, Any] | None = None
+
+
+@dataclass
+class EvaluationRound:
+    """One evaluation round in progress: its secure sums, its plan, its draws so far."""
+
+    round: int
+    sums: SecureSums
+    plan: ReleasePlan
+    draws: _Draws
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _threshold(holders: int, fraction: float) -> int:
+    return max(2, holders // 2 + 1, math.ceil(fraction * holders))
+
+
+def _clamped(m: AggregatedMetric) -> AggregatedMetric:
+    """Post-processing: the published value is clamped to the clip range."""
+    return m.model_copy(update={"value": float(np.clip(m.value, m.clip_low, m.clip_high))})
+
+
+def _envelope(name: str, kind: str, value: float, bar: float, lo: float, hi: float, n: int,
+              m: int, level: float, policy: PrivacyPolicy) -> str:
+    v = float(np.clip(value, lo, hi))
+    if n < m:  # suppressed envelope: the builder nulls value and interval
+        return build_federated_metric_envelope(
+            metric_id=name, metric_kind=kind, aggregate_value=lo, clipping_lower_bound=lo,
+            clipping_upper_bound=hi, privacy_mechanism="laplace",
+            privacy_mechanism_version=policy.mechanism_version("laplace"),
+            participant_count=n, minimum_group_size=m, policy=policy,
+        ).to_json()
+    return build_federated_metric_envelope(
+        metric_id=name, metric_kind=kind, aggregate_value=v, clipping_lower_bound=lo,
+        clipping_upper_bound=hi, privacy_mechanism="laplace",
+        privacy_mechanism_version=policy.mechanism_version("laplace"), participant_count=n,
+        minimum_group_size=m, uncertainty_method="confidence_interval",
+        uncertainty_lower_bound=max(lo, v - bar), uncertainty_upper_bound=min(hi, v + bar),
+        confidence_level=level, policy=policy,
+    ).to_json()
+
+
+def _dropout_band(rate: float) -> str:
+    if rate < 0.05:
+        return "under_5pct"
+    if rate < 0.2:
+        return "5_to_under_20pct"
+    return "20pct_or_more"
+
+
+# ----------------------------------------------------------------------------- evaluator
+
+
+class PrivateEvaluator:
+    """The evaluation path of one federation (module docstring).
+
+    Args:
+        config: the federation config (``evaluation`` section, ``seed``).
+        partition: the public region partition.
+        policy: the configured privacy policy (floor, mechanism versions).
+        state: the server state; ``state.evaluation`` is created on first use.
+
+    Raises:
+        ValueError: a region of the partition is named ``"global"``.
+    """
+
+    def __init__(self, config: FederationConfig, partition: RegionPartition,
+                 policy: PrivacyPolicy, state: ServerState) -> None:
+        if GLOBAL in partition.region_ids:
+            raise ValueError(f"region partition: a region may not be named {GLOBAL!r}")
+        self.config = config
+        self.partition = partition
+        self.policy = policy
+        self.server_state = state
+
+    # ---------------------------------------------------------------- state
+    @property
+    def state(self) -> EvaluationState:
+        """The evaluation state in force, created on first use (initial bounds from the
+        config)."""
+        st = self.server_state.evaluation
+        if st is None:
+            st = EvaluationState(
+                merges=RegionMergeTracker(
+                    neighbours=self.partition.neighbours,
+                    consecutive_required=self.config.evaluation.merge_after,
+                ),
+                bounds={
+                    "accuracy": BoundsVersion(metric="accuracy", clip_low=0.0, clip_high=1.0,
+                                              version=1),
+                    "mean_loss": BoundsVersion(metric="mean_loss", clip_low=0.0,
+                                               clip_high=self.config.evaluation.loss_max,
+                                               version=1),
+                },
+            )
+            self.server_state.evaluation = st
+        return st
+
+    @property
+    def min_cohort(self) -> int:
+        """``max(config.evaluation.min_cohort, policy.evaluation.minimum_group_size)``."""
+        return max(self.config.evaluation.min_cohort, self.policy.evaluation.minimum_group_size)
+
+    def metric_specs(self) -> dict[str, MetricSpec]:
+        """Current specs of the scalar metrics (versioned clip bounds)."""
+        return {name: self.state.bounds[name].spec() for name in SCALAR_METRICS}
+
+    def bounds_due(self) -> bool:
+        """Whether this evaluation re-derives the loss clip bound (histogram release)."""
+        k = self.config.evaluation.bounds_every
+        return k > 0 and (self.state.evaluations_done + 1) % k == 0
+
+    # ---------------------------------------------------------------- secure sums
+    def _session_config(self, name: str, n: int, round_number: int, dim: int) -> SecAggConfig:
+        degree = secagg_plus_degree(n)
+        holders = n if degree >= n - 1 else degree + 1
+        t = _threshold(holders, self.config.evaluation.secagg_threshold)
+        gseed = region_seed(self.config.seed * 1000 + round_number, name) % 2**31
+        return SecAggConfig(n_clients=n, threshold=t, vector_length=dim,
+                            quantisation_levels=QUANTISATION_LEVELS, neighbour_degree=degree,
+                            round_id=f"eval-{round_number}-{name}", graph_seed=gseed)
+
+    def secure_sums(self, clients: Clients, round_number: int, participants: Sequence[int],
+                    region_of: Mapping[int, str], assignments: Mapping[int, int],
+                    models: Mapping[int, np.ndarray]) -> SecureSums:
+        """Secure aggregation per monitored group (merged regions replace their members)
+        and once over all participants, over the ``Clients`` seam.
+
+        Args:
+            clients: the transport.
+            round_number: the round.
+            participants: the client ids evaluated this round.
+            region_of: client id -> region (public partition).
+            assignments: client id -> cohort whose model it evaluates.
+            models: cohort id -> float32 model vector.
+
+        Groups with fewer than ``max(m, 2)`` participants are not run (their sum would be
+        a small-group aggregate the server does not need).
+        """
+        state = self.state
+        layout = state.layout()
+        m = self.min_cohort
+        dim = FixedPointQuantiser(layout.lower_bounds(), layout.upper_bounds()).dim
+        groups = state.merges.groups(self.partition.region_ids)
+        ids = sorted(int(c) for c in participants)
+        members_of: dict[str, tuple[str, ...]] = {g: mem for g, mem in sorted(groups.items())}
+        members_of[GLOBAL] = (GLOBAL,)
+        clients_of = {g: [c for c in ids if region_of[c] in mem]
+                      for g, mem in members_of.items() if g != GLOBAL}
+        clients_of[GLOBAL] = ids
+        sessions: dict[str, SecAggSession] = {}
+        name_of: dict[str, str] = {}
+        thresholds: dict[str, int] = {}
+        for g, cs in clients_of.items():
+            if len(cs) < max(m, 2):
+                continue
+            cfg = self._session_config(g, len(cs), round_number, dim)
+            sessions[cfg.round_id] = SecAggSession(cfg.round_id, cfg, tuple(cs))
+            name_of[cfg.round_id] = g
+            thresholds[g] = cfg.threshold
+        results = {}
+        if sessions:
+            request = ReportRequest(
+                round=round_number, assignments={c: int(assignments[c]) for c in ids},
+                models={k: models[k] for k in sorted({int(assignments[c]) for c in ids})},
+                layout=layout, quantisation_levels=QUANTISATION_LEVELS, sessions=sessions)
+            results = {name_of[s]: r for s, r in run_sessions(clients, request, floor=m).items()}
+        quant = FixedPointQuantiser(layout.lower_bounds(), layout.upper_bounds(),
+                                    QUANTISATION_LEVELS)
+        out: dict[str, GroupSum] = {}
+        for g in sorted(clients_of):
+            n = len(clients_of[g])
+            res = results.get(g)
+            if res is None:
+                out[g] = GroupSum(g, members_of[g], n, 0, "below_floor")
+                continue
+            t = thresholds[g]
+            if res.status != "ok":
+                out[g] = GroupSum(g, members_of[g], n, len(res.dropped), res.status, threshold=t)
+                continue
+            out[g] = GroupSum(g, members_of[g], n, len(res.dropped), "ok",
+                              contributors=res.contributors,
+                              sum=quant.dequantise_sum(res.sum_quantised, res.contributors),
+                              sum_quantised=res.sum_quantised, threshold=t)
+        return SecureSums(round_number, m, out, layout,
+                          state.merges.monitoring_version(self.partition.version))
+
+    # ---------------------------------------------------------------- plan
+    def plan(self, sums: SecureSums) -> ReleasePlan:
+        """The releases of this round (groups with status ``ok``; health wherever at
+        least m clients were selected)."""
+        ev = self.config.evaluation
+        eps_g = ev.global_epsilon if ev.global_epsilon is not None else ev.epsilon
+        out: list[PlannedRelease] = []
+        for gname, g in sorted(sums.groups.items()):
+            line = LINE_GLOBAL if gname == GLOBAL else LINE_REGIONAL
+            eps = eps_g if gname == GLOBAL else ev.epsilon
+            if g.status == "ok":
+                for name in SCALAR_METRICS:
+                    out.append(PlannedRelease(name, gname, "laplace", eps, None, line, sums.round))
+                if gname == GLOBAL and self.bounds_due():
+                    out.append(PlannedRelease(HISTOGRAM_METRIC, gname, "laplace", eps, None,
+                                              line, sums.round))
+            if g.selected >= sums.min_cohort:
+                out.append(PlannedRelease(HEALTH_METRIC, gname, "laplace", ev.health_epsilon,
+                                          None, line, sums.round))
+        return ReleasePlan(sums.round, tuple(out))
+
+    def open_round(self, sums: SecureSums) -> EvaluationRound:
+        """An :class:`EvaluationRound` with its plan and no draws yet."""
+        d = _Draws()
+        d.metrics = {name: {"regions": {}, "global": None,
+                            "bounds_version": self.state.bounds[name].label}
+                     for name in SCALAR_METRICS}
+        d.released = {name: {} for name in SCALAR_METRICS}
+        return EvaluationRound(sums.round, sums, self.plan(sums), d)
+
+    # ---------------------------------------------------------------- draws
+    def _seed(self, round_number: int, key: str) -> int | None:
+        if not self.config.evaluation.noise_seeded:
+            return None
+        base = int(np.random.default_rng([self.config.seed, round_number, 101]).integers(2**31))
+        return region_seed(base, key)
+
+    def compute(self, sums: SecureSums, rel: PlannedRelease) -> AggregatedMetric | AggregatedVector:
+        """Draw the noise of ONE planned release (after its charge): the server-side
+        result (exact contributor count inside; never published). Records nothing."""
+        state = self.state
+        m = sums.min_cohort
+        slices = sums.layout.slices
+        g = sums.groups[rel.region]
+        seed = self._seed(sums.round, f"{rel.name}|{rel.region}")
+        if rel.name in SCALAR_METRICS:
+            spec = state.bounds[rel.name].spec()
+            s = float(np.clip(g.sum[slices[rel.name]][0], g.contributors * spec.clip_low,
+                              g.contributors * spec.clip_high))
+            return _clamped(aggregate_sum(s, g.contributors, spec, epsilon=rel.epsilon,
+                                          min_cohort=m, seed=seed))
+        if rel.name == HISTOGRAM_METRIC:
+            return aggregate_vector_sum(
+                g.sum[slices["error_histogram"]], g.contributors, name=HISTOGRAM_METRIC,
+                l1_sensitivity=sums.layout.l1_sensitivity("error_histogram"),
+                epsilon=rel.epsilon, min_cohort=m, seed=seed)
+        dspec = MetricSpec(HEALTH_METRIC, 0.0, 1.0)  # dropout rate over selected clients
+        return _clamped(aggregate_sum(float(g.dropped), g.selected, dspec,
+                                      epsilon=rel.epsilon, min_cohort=m, seed=seed))
+
+    def record(self, ev: EvaluationRound, rel: PlannedRelease,
+               agg: AggregatedMetric | AggregatedVector) -> dict:
+        """Record ONE release's server-side result into the round (published view,
+        envelopes, alert inputs, health, histogram); draws no noise. Everything recorded
+        is a function of ``agg`` (its exact count only through the participant band), so a
+        result restored from the ledger records exactly what the original draw recorded.
+        Returns the release's published view."""
+        state, policy, d, sums = self.state, self.policy, ev.draws, ev.sums
+        m = sums.min_cohort
+        if rel.name in SCALAR_METRICS:
+            pub = agg.to_published_dict()
+            pub["bounds_version"] = state.bounds[rel.name].label
+            if rel.region == GLOBAL:
+                d.metrics[rel.name]["global"] = pub
+            else:
+                d.metrics[rel.name]["regions"][rel.region] = pub
+                d.released[rel.name][rel.region] = agg
+            d.envelopes[f"{rel.name}/{rel.region}.json"] = _envelope(
+                rel.name, SCALAR_METRICS[rel.name][0], agg.value, agg.published_error_bar,
+                agg.clip_low, agg.clip_high, agg.contributors, m, agg.level, policy)
+        elif rel.name == HISTOGRAM_METRIC:
+            pub = agg.to_published_dict()
+            pub["values"] = [float(np.clip(v, 0.0, 1.0)) for v in agg.values]
+            pub["edges"] = list(sums.layout.error_edges)
+            d.histogram = pub
+            for i, v in enumerate(pub["values"]):
+                d.envelopes[f"{HISTOGRAM_METRIC}.b{i}/{rel.region}.json"] = _envelope(
+                    f"{HISTOGRAM_METRIC}.b{i}", "rate", v, agg.published_error_bar, 0.0, 1.0,
+                    agg.contributors, m, agg.level, policy)
+        else:
+            pub = agg.to_published_dict()
+            pub["band"] = _dropout_band(agg.value)
+            if rel.region == GLOBAL:
+                d.health["global"] = pub
+            else:
+                d.health["regions"][rel.region] = pub
+            d.envelopes[f"{HEALTH_METRIC}/{rel.region}.json"] = _envelope(
+                HEALTH_METRIC, "rate", agg.value, agg.published_error_bar, 0.0, 1.0,
+                agg.contributors, m, agg.level, policy)
+        d.server[f"{rel.name}|{rel.region}"] = agg
+        d.made.append(rel)
+        return pub
+
+    def releases_of(self, ev: EvaluationRound, entry_name: str) -> list[PlannedRelease]:
+        """The planned releases (one per group) of one ledger entry ``<scope>.<metric>``."""
+        scope, metric = str(entry_name).split(".", 1)
+        return [rel for rel in ev.plan.releases
+                if rel.name == metric and (rel.region == GLOBAL) == (scope == "global")]
+
+    def draw(self, ev: EvaluationRound, entry_name: str) -> dict[str, Any]:
+        """Draw the noise of one granted ledger entry (all its groups) WITHOUT recording
+        it. Returns the server-side payload the ledger stores with the entry's commit
+        (:data:`STORED_FORMAT`): ``{"format": STORED_FORMAT, "server": {group:
+        AggregatedMetric | AggregatedVector as JSON}}``; it holds exact contributor counts:
+        server-side state, never published or logged. Record it with :meth:`restore`."""
+        return {"format": STORED_FORMAT,
+                "server": {rel.region: self.compute(ev.sums, rel).model_dump(mode="json")
+                           for rel in self.releases_of(ev, entry_name)}}
+
+    def _from_published(self, rel: PlannedRelease, pub: Mapping[str, Any], g: GroupSum
+                        ) -> AggregatedMetric | AggregatedVector:
+        """Rebuild a server-side result from a published view stored by an older version
+        (``{"releases": {group: published}}``): the exact count is taken from this round's
+        secure sums and must fall in the stored participant band; the noise scale and
+        exact-n error bar are recomputed from the stored parameters."""
+        n = g.selected if rel.name == HEALTH_METRIC else g.contributors
+        if participant_band(n, int(pub["min_cohort"])).value != pub["participant_band"]:
+            raise ValueError(f"stored release {rel.name}/{rel.region}: the round's contributor "
+                             "count does not match the stored participant band")
+        level = float(pub["error_bar_level"])
+        if rel.name == HISTOGRAM_METRIC:
+            scale = noise_scale(float(pub["l1_sensitivity"]), float(pub["epsilon"]))
+            return AggregatedVector(
+                name=pub["name"], values=[float(v) for v in pub["values"]],
+                error_bar=error_bar(scale, level=level, n=n), contributors=n,
+                epsilon=float(pub["epsilon"]), l1_sensitivity=float(pub["l1_sensitivity"]),
+                noise_scale=scale, level=level, min_cohort=int(pub["min_cohort"]),
+                noise_source=pub["noise_source"])
+        mech = pub.get("mechanism", "laplace")
+        delta = pub.get("delta")
+        scale = noise_scale(float(pub["sensitivity"]), float(pub["epsilon"]), mechanism=mech,
+                            delta=delta)
+        return AggregatedMetric(
+            name=pub["name"], value=float(pub["value"]),
+            error_bar=error_bar(scale, mechanism=mech, level=level, n=n), contributors=n,
+            epsilon=float(pub["epsilon"]), delta=delta, mechanism=mech, noise_scale=scale,
+            sensitivity=float(pub["sensitivity"]), clip_low=float(pub["clip_low"]),
+            clip_high=float(pub["clip_high"]), level=level, min_cohort=int(pub["min_cohort"]),
+            noise_source=pub["noise_source"])
+
+    def restore(self, ev: EvaluationRound, entry_name: str, stored: Mapping[str, Any]
+                ) -> dict[str, Any]:
+        """Record one ledger entry's committed results into the round WITHOUT drawing
+        noise (a fresh draw committed first, or a re-run after a crash). ``stored``: the
+        payload of :meth:`draw` (or, from an older version, the published view
+        ``{"releases": {group: published}}``). Returns ``{"releases": {group:
+        published}}`` (no counts).
+
+        Raises:
+            ValueError: an unknown payload format, or a stored group the round does not
+                plan (the re-run's secure sums differ from the committed run's).
+        """
+        rels = {rel.region: rel for rel in self.releases_of(ev, entry_name)}
+        if stored.get("format") == STORED_FORMAT:
+            items = stored["server"]
+        elif "format" not in stored and isinstance(stored.get("releases"), Mapping):
+            items = stored["releases"]
+        else:
+            raise ValueError(f"stored release {entry_name}: unknown stored payload format")
+        out: dict[str, Any] = {}
+        for region, data in items.items():
+            rel = rels.get(region)
+            if rel is None:
+                raise ValueError(f"stored release {entry_name}: group {region!r} is not "
+                                 "planned in this round")
+            if stored.get("format") == STORED_FORMAT:
+                cls = AggregatedVector if rel.name == HISTOGRAM_METRIC else AggregatedMetric
+                agg = cls.model_validate(data)
+            else:
+                agg = self._from_published(rel, data, ev.sums.groups[region])
+            out[region] = self.record(ev, rel, agg)
+        return {"releases": out}
+
+    def release_all(self, ev: EvaluationRound, approved: Collection[str] | None = None
+                    ) -> EvaluationOutcome:
+        """Without a ledger: draw every planned release (or those whose key is in
+        ``approved``; the rest refused) and :meth:`finish`."""
+        for rel in ev.plan.releases:
+            if approved is not None and rel.key not in approved:
+                ev.draws.refused.append(rel)
+            else:
+                self.record(ev, rel, self.compute(ev.sums, rel))
+        return self._finalize(ev.sums, ev.draws)
+
+    def finish(self, ev: EvaluationRound, budget_view: Mapping[str, Any] | None = None
+               ) -> EvaluationOutcome:
+        """Close a ledger-driven evaluation round: planned releases not drawn are recorded
+        as refused (off cadence / over budget); the ledger's view is attached as
+        ``budget``."""
+        drawn = {r.key for r in ev.draws.made}
+        ev.draws.refused = [r for r in ev.plan.releases if r.key not in drawn]
+        outcome = self._finalize(ev.sums, ev.draws)
+        if budget_view is not None and "budget" in budget_view:
+            outcome.published["budget"] = budget_view["budget"]
+        return outcome
+
+    def _finalize(self, sums: SecureSums, d: _Draws) -> EvaluationOutcome:
+        """Envelopes of suppressed groups, alerts, merges, bounds, the published report."""
+        state, policy = self.state, self.policy
+        m = sums.min_cohort
+        rnd = sums.round
+        made, refused, server, envelopes = d.made, d.refused, d.server, d.envelopes
+        metrics_pub, health_pub, released, hist_pub = d.metrics, d.health, d.released, d.histogram
+
+        not_evaluated = {
+            g: "secure aggregation aborted: fewer than t survivors; region not evaluated this "
+               "round"
+            for g, gs in sums.groups.items() if gs.status == "aborted"
+        }
+        unpublished = [g for g, gs in sums.groups.items() if g != GLOBAL and gs.status != "ok"]
+        for name in SCALAR_METRICS:
+            gone = [g for g, gs in sums.groups.items() if gs.status != "ok"]
+            for g in gone:
+                bv = state.bounds[name]
+                envelopes.setdefault(f"{name}/{g}.json", _envelope(
+                    name, SCALAR_METRICS[name][0], bv.clip_low, 0.0, bv.clip_low, bv.clip_high,
+                    0, m, 0.95, policy))
+        band = suppressed_region_band(len(unpublished)).value
+        for name in SCALAR_METRICS:
+            metrics_pub[name]["suppressed_regions_band"] = band
+            metrics_pub[name]["epsilon_charged"] = max(
+                [r.epsilon for r in made if r.name == name and r.region != GLOBAL], default=0.0)
+            metrics_pub[name]["composition"] = "parallel (disjoint regions)"
+        merged = {g: list(mem) for g, mem in state.merges.groups(self.partition.region_ids).items()
+                  if len(mem) > 1}
+        if merged:
+            for name in SCALAR_METRICS:
+                metrics_pub[name]["merged_regions"] = merged
+                metrics_pub[name]["granularity_note"] = (
+                    "merged regions are the finest granularity actually monitored")
+
+        alerts: list[Alert] = []
+        new_baselines: dict[str, dict[str, str]] = {}
+        if rnd >= self.config.evaluation.baseline_from_round:
+            for name, (_, direction) in SCALAR_METRICS.items():
+                rule = AlertRule(metric=name, direction=direction)
+                label = state.bounds[name].label
+                res = rule.evaluate(released[name], state.baselines,
+                                    partition_version=sums.monitoring_version,
+                                    bounds_version=label, round=rnd)
+                alerts += res.alerts
+                nb = dict(res.new_baselines)
+                gkey = f"{name}|{GLOBAL}"
+                if gkey in server:
+                    gres = rule.evaluate({GLOBAL: server[gkey]}, state.baselines,
+                                         partition_version=self.partition.version,
+                                         bounds_version=label, round=rnd)
+                    alerts += gres.alerts
+                    nb.update(gres.new_baselines)
+                if nb:
+                    new_baselines[name] = nb
+
+        below = [mem for g, gs in sums.groups.items()
+                 if g != GLOBAL and gs.status == "below_floor" for mem in gs.members]
+        newly = state.merges.observe(self.partition.region_ids, below)
+        bounds_event = None
+        if hist_pub is not None:
+            proposal = propose_clip_bound(hist_pub["values"], sums.layout.error_edges)
+            cur = state.bounds["mean_loss"]
+            nxt = update_bounds(cur, proposal, round=rnd)
+            bounds_event = {"proposal": proposal.model_dump(), "from": cur.label,
+                            "to": nxt.label, "changed": nxt.version != cur.version}
+            state.bounds["mean_loss"] = nxt
+        state.evaluations_done += 1
+
+        published: dict[str, Any] = {
+            "schema": REPORT_SCHEMA,
+            "round": rnd,
+            "min_cohort": m,
+            "min_cohort_rule": MIN_COHORT_RULE,
+            "partition_version": self.partition.version,
+            "monitoring_version": sums.monitoring_version,
+            "layout_version": sums.layout.version,
+            "metrics": metrics_pub,
+            "health": {HEALTH_METRIC: health_pub},
+            "suppressed_regions_band": band,
+            "not_evaluated": sorted(not_evaluated),
+            "newly_merged": {r: state.merges.merged[r] for r in newly},
+            "alerts": [a.model_dump() for a in alerts],
+            "alerts_fired": len(alerts),
+            "new_baselines": new_baselines,
+            "releases": [r.to_dict() for r in made],
+            "refused_releases": [r.to_dict() for r in refused],
+            "epsilon_by_line": ReleasePlan(rnd, tuple(made)).epsilon_by_line(),
+            "epsilon_spent": sum(ReleasePlan(rnd, tuple(made)).epsilon_by_line().values()),
+        }
+        if hist_pub is not None:
+            published["error_histogram"] = hist_pub
+        if bounds_event is not None:
+            published["bounds_update"] = bounds_event
+        return EvaluationOutcome(rnd, made, refused, published, envelopes, alerts,
+                                 not_evaluated, server)

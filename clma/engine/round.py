@@ -1,0 +1,426 @@
+"""The round engine: every server step of a governed CLMA round, behind the Clients seam.
+
+One round (CLMA, Adarsh N L et al., CODS-COMAD 2024, Algorithms 1-3, plus the private
+evaluation), as :class:`FederationEngine` steps over one :class:`RoundContext`:
+
+1. :meth:`~FederationEngine.begin_round` — select the round's clients (seeded) and fix the
+   cohort models they start from;
+2. :meth:`~FederationEngine.train` — ask the clients to train (any chunk of them, through
+   :class:`clma.engine.clients.Clients`); :meth:`~FederationEngine.accept` checks every
+   reply (a malformed one is a dropout);
+3. :meth:`~FederationEngine.detect_drift` — quarantine the clients whose on-device flag is
+   set (none under plain FedAvg); the first quarantine fixes the merge reference;
+4. :meth:`~FederationEngine.score_divergence` — atypical-client scores (optional);
+5. :meth:`~FederationEngine.aggregate` — FedAvg within each cohort over the non-quarantined
+   members, or DP-FedAvg after one training charge in the ledger;
+6. :meth:`~FederationEngine.cohort` — signed KS -> Gram PCA -> clustering of the
+   quarantined clients into new child cohorts;
+7. :meth:`~FederationEngine.merge` — cohorts whose models reconverged merge (optional);
+8. :meth:`~FederationEngine.end_training` — commit the DP charge, install the models,
+   record the round in the registry;
+9. :meth:`~FederationEngine.secure_sums` and :meth:`~FederationEngine.evaluate` — on
+   evaluation rounds, the private regional evaluation (every release charged before its
+   noise), envelopes and alerts;
+10. :meth:`~FederationEngine.finish` — the round's :class:`RoundResult`.
+
+:meth:`FederationEngine.run_round` runs the ten steps in order without any orchestrator
+(the bare engine); ``flows/federation.py`` runs the same steps as Prefect tasks, and
+:class:`clma.flower.CLMA` runs them behind Flower's Strategy interface. The server state
+(:class:`clma.engine.state.ServerState`) holds no client data and no per-client raw value.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from clma.budget import BorrowDecision, BorrowRequest, PrivacyPolicy
+from clma.cohort import AutoKMeans, CLMACohorter
+from clma.config import FederationConfig
+from clma.engine.budget import (
+    BudgetState,
+    Step,
+    budgeted_evaluation,
+    direct_step,
+    dp_aggregate,
+    dp_commit,
+    dp_new_cohort_model,
+    policy_of,
+)
+from clma.engine.clients import Clients, Replies, TrainRequest, TrainSettings, check_update
+from clma.engine.divergence import DivergenceOutcome, score_divergence
+from clma.engine.evaluation import EvaluationOutcome, PrivateEvaluator, SecureSums
+from clma.engine.state import ServerAssets, ServerState
+from clma.params import AllParams, DefaultSelector, flatten_state, unflatten_state
+from clma.rounds import (
+    ClientUpdate,
+    CohortingOutcome,
+    aggregate_per_cohort,
+    cohort_quarantined,
+    merge_reconverged,
+    quarantine,
+    select_clients,
+)
+
+__all__ = ["FederationEngine", "RoundContext", "RoundResult", "make_cohorter"]
+
+Gate = Callable[[BudgetState, BorrowRequest], BorrowDecision]
+
+
+def make_cohorter(config: FederationConfig) -> CLMACohorter:
+    """The cohorter ``config.cohort`` describes (k-means seeded with ``config.seed``)."""
+    c = config.cohort
+    return CLMACohorter(
+        clusterer=AutoKMeans(fixed_k=c.fixed_k, max_k=c.max_k, min_silhouette=c.min_silhouette,
+                             random_state=config.seed),
+        variance_threshold=c.variance_threshold,
+        center=c.center,
+        min_ks_magnitude=c.min_ks_magnitude,
+    )
+
+
+@dataclass
+class RoundContext:
+    """One round in progress (server side). Steps fill it in order."""
+
+    round: int
+    selected: list[int]
+    assignments: dict[int, int]
+    start_models: dict[int, np.ndarray]
+    t0: float = field(default_factory=time.perf_counter)
+    updates: list[ClientUpdate] = field(default_factory=list)
+    failed: dict[int, str] = field(default_factory=dict)
+    quarantined: list[int] = field(default_factory=list)
+    divergence: DivergenceOutcome | None = None
+    models: dict[int, np.ndarray] = field(default_factory=dict)
+    training: dict[str, Any] | None = None
+    cohorting: CohortingOutcome = field(default_factory=CohortingOutcome)
+    merges: list[tuple[list[int], int]] = field(default_factory=list)
+    evaluation: EvaluationOutcome | None = None
+
+    @property
+    def participants(self) -> list[int]:
+        """Selected clients that returned a usable update (in selection order)."""
+        return [c for c in self.selected if c not in self.failed]
+
+    @property
+    def weights(self) -> dict[int, float] | None:
+        return self.divergence.weights if self.divergence is not None else None
+
+
+@dataclass
+class RoundResult:
+    """What one round did (server side: exact counts; publish through bands).
+
+    Attributes:
+        round: the round.
+        cohorts: active cohort id -> member count after the round.
+        flagged: clients whose on-device drift flag was set.
+        quarantined: clients quarantined.
+        new_cohorts: new cohort id -> ``{"parent": id, "size": n}``.
+        merges: ``[{"merged": [ids], "into": id}]``.
+        regional: the published evaluation report (None on rounds without evaluation).
+        divergence: the id-free divergence summary (None when disabled).
+        evaluation: the evaluation outcome (envelopes, alerts, releases) or None.
+        participants: clients whose update was used; ``dropouts``: selected clients whose
+            training reply was missing or malformed.
+        seconds: wall time of the round.
+    """
+
+    round: int
+    cohorts: dict[int, int]
+    flagged: int
+    quarantined: int
+    new_cohorts: dict[int, dict[str, Any]]
+    merges: list[dict[str, Any]]
+    regional: dict[str, Any] | None
+    divergence: dict[str, Any] | None
+    evaluation: EvaluationOutcome | None
+    participants: int
+    dropouts: int
+    seconds: float
+
+
+class FederationEngine:
+    """The server of one federation: its state and every step of a round (module doc).
+
+    Args:
+        config: the federation config.
+        assets: the server's public assets (model architecture, initial model, probe set,
+            region partition).
+        clients: the transport (:class:`clma.engine.clients.Clients`).
+        policy: the privacy policy; default: the budget's policy, else ``budget.policy``
+            of the config (or the shipped one).
+        budget: the ledger (None: releases are not charged).
+        state: the server state to continue from (default: a fresh federation, every
+            client of the roster in root cohort 0).
+
+    Raises:
+        ValueError: the roster names a region the partition does not have, or a roster
+            client outside the state's registry.
+    """
+
+    def __init__(self, config: FederationConfig, assets: ServerAssets, clients: Clients, *,
+                 policy: PrivacyPolicy | None = None, budget: BudgetState | None = None,
+                 state: ServerState | None = None) -> None:
+        self.config = config
+        self.assets = assets
+        self.clients = clients
+        self.budget = budget
+        self.policy = policy or (budget.policy if budget is not None else policy_of(config))
+        self.roster = clients.roster()
+        regions = set(assets.partition.region_ids)
+        bad = sorted({c.region for c in self.roster.clients} - regions)
+        if bad:
+            raise ValueError("roster: a client's region is not in the region partition "
+                             f"{assets.partition.version!r}")
+        self.region_of = self.roster.region_of()
+        self.state = state if state is not None else ServerState.fresh(
+            self.roster.client_ids, assets.initial_model)
+        self.evaluator = PrivateEvaluator(config, assets.partition, self.policy, self.state)
+        self._selector = self._make_selector()
+        self.cohorter = make_cohorter(config)
+
+    # ---------------------------------------------------------------- helpers
+    def _make_selector(self) -> Callable[[np.ndarray], np.ndarray]:
+        """Full-state vector -> the DefaultSelector's sub-vector (identity when equal)."""
+        template = self.assets.model_spec.build()
+        st = template.state_dict()
+        full = AllParams().select_module(template)
+        chosen = DefaultSelector().select_module(template)
+        if chosen == full:
+            return lambda v: v
+        shapes = {n: st[n] for n in full}
+        return lambda v: flatten_state(unflatten_state(v, shapes), chosen)
+
+    def train_settings(self) -> TrainSettings:
+        t = self.config.training
+        return TrainSettings(local_epochs=t.local_epochs, learning_rate=t.learning_rate,
+                             batch_size=t.batch_size, drift_gamma=self.config.drift.gamma)
+
+    # ---------------------------------------------------------------- 1. select
+    def select(self, round_number: int) -> list[int]:
+        """Seeded uniform selection of ``ceil(participation * n)`` clients of the roster."""
+        rng = np.random.default_rng([self.config.seed, round_number, 11])
+        return select_clients(self.roster.client_ids, self.config.training.participation, rng)
+
+    def begin_round(self, round_number: int, selected: Sequence[int] | None = None
+                    ) -> RoundContext:
+        """A new :class:`RoundContext`: the selection (default :meth:`select`), each
+        selected client's cohort and the cohort models it starts from."""
+        if type(round_number) is not int or round_number < 1:
+            raise ValueError("round_number: rounds are integers from 1")
+        chosen = list(self.select(round_number) if selected is None else selected)
+        assignments = self.state.assignments(chosen)
+        return RoundContext(round_number, chosen, assignments,
+                            {c: v.copy() for c, v in self.state.cohort_models.items()})
+
+    # ---------------------------------------------------------------- 2. train
+    def train_request(self, ctx: RoundContext, client_ids: Iterable[int] | None = None
+                      ) -> TrainRequest:
+        ids = list(ctx.selected if client_ids is None else client_ids)
+        a = {c: ctx.assignments[c] for c in ids}
+        return TrainRequest(ctx.round, a, {k: ctx.start_models[k] for k in sorted(set(a.values()))},
+                            self.train_settings())
+
+    def train(self, ctx: RoundContext, client_ids: Iterable[int] | None = None
+              ) -> Replies[ClientUpdate]:
+        """Ask ``client_ids`` (default: all selected) to train; every reply checked
+        (:func:`clma.engine.clients.check_update`): a malformed one is a failure."""
+        request = self.train_request(ctx, client_ids)
+        try:
+            replies = self.clients.train(request)
+        except Exception as exc:  # a transport failure is every asked client's dropout
+            return Replies({}, {c: f"transport error: {type(exc).__name__}"
+                                for c in request.assignments})
+        return self.check_replies(request, replies)
+
+    def check_replies(self, request: TrainRequest, replies: Replies) -> Replies[ClientUpdate]:
+        out: Replies[ClientUpdate] = Replies({}, dict(replies.failed))
+        for c, u in replies.ok.items():
+            why = check_update(u, request, self.assets.n_params)
+            if why is None and u.client_id != c:
+                why = "reply filed under another client id"
+            if why is None:
+                out.ok[c] = ClientUpdate(int(u.client_id), int(u.cohort_id), u.params,
+                                         int(u.n_samples), bool(u.drift_flag))
+            else:
+                out.failed[c] = why
+        for c in request.assignments:
+            if c not in out.ok and c not in out.failed:
+                out.failed[c] = "no reply"
+        return out
+
+    def accept(self, ctx: RoundContext, replies: Iterable[Replies[ClientUpdate]]) -> None:
+        """Collect the checked replies of every chunk into ``ctx`` (selection order)."""
+        ok: dict[int, ClientUpdate] = {}
+        for r in replies:
+            ok.update(r.ok)
+            ctx.failed.update(r.failed)
+        for c in ctx.selected:
+            if c not in ok and c not in ctx.failed:
+                ctx.failed[c] = "no reply"
+        ctx.updates = [ok[c] for c in ctx.selected if c in ok]
+
+    # ---------------------------------------------------------------- 3. quarantine
+    def detect_drift(self, ctx: RoundContext) -> list[int]:
+        """Quarantine flagged clients (none when cohorting is off); the first quarantine
+        of the federation fixes the merge reference (the start model of the first
+        quarantined client's cohort)."""
+        ctx.quarantined = quarantine(ctx.updates) if self.config.cohort.enabled else []
+        if ctx.quarantined and self.state.merge_reference is None:
+            held = set(ctx.quarantined)
+            first = next(u.cohort_id for u in ctx.updates if u.client_id in held)
+            self.state.merge_reference = ctx.start_models[first].copy()
+        return ctx.quarantined
+
+    # ---------------------------------------------------------------- 4. divergence
+    def score_divergence(self, ctx: RoundContext) -> DivergenceOutcome | None:
+        """Atypical-client scores (None when ``divergence.enabled`` is false or no update)."""
+        if not self.config.divergence.enabled or not ctx.updates:
+            return None
+        ctx.divergence = score_divergence(self.config.divergence, self.assets, ctx.updates,
+                                          ctx.start_models, ctx.round)
+        return ctx.divergence
+
+    # ---------------------------------------------------------------- 5. aggregate
+    def aggregate(self, ctx: RoundContext) -> dict[int, np.ndarray]:
+        """FedAvg per cohort over the non-quarantined members (divergence weights
+        applied), or DP-FedAvg after the round's training charge."""
+        if self.config.training.dp.enabled:
+            ctx.models, ctx.training = dp_aggregate(
+                self.config, self.budget, ctx.updates, ctx.quarantined, ctx.start_models,
+                ctx.round, ctx.weights)
+        else:
+            ctx.models = aggregate_per_cohort(ctx.updates, ctx.quarantined, ctx.start_models,
+                                              ctx.weights)
+        return ctx.models
+
+    # ---------------------------------------------------------------- 6. cohort
+    def cohort(self, ctx: RoundContext) -> CohortingOutcome:
+        """CLMA Algorithm 3 on the quarantined clients: new child cohorts in the registry
+        (their first models from the members' updates, through DP under DP-FedAvg)."""
+        if not ctx.quarantined:
+            ctx.cohorting = CohortingOutcome()
+            return ctx.cohorting
+        new_model = (dp_new_cohort_model(self.config, ctx.training, ctx.round)
+                     if ctx.training is not None else None)
+        ctx.models, ctx.cohorting = cohort_quarantined(
+            ctx.updates, ctx.quarantined, ctx.models, self.state.registry, self.cohorter,
+            ctx.round, select=self._selector, start_models=ctx.start_models,
+            new_model=new_model, weights=ctx.weights,
+            atypical=ctx.divergence.flagged if ctx.divergence is not None else ())
+        return ctx.cohorting
+
+    # ---------------------------------------------------------------- 7. merge
+    def merge(self, ctx: RoundContext) -> list[tuple[list[int], int]]:
+        """Merge cohorts whose models reconverged (off unless ``merge_cohorts_threshold``);
+        displacements from the merge reference (the pre-drift consensus model)."""
+        if ctx.training is not None:  # commit the DP charge with every released model
+            ctx.models = dp_commit(ctx.training, ctx.models, ctx.cohorting.new_cohorts)
+        reg = self.state.registry
+        sizes = {c: len(reg.members(c)) for c in reg.active_cohorts()}
+        ref = (self.state.merge_reference if self.state.merge_reference is not None
+               else self.assets.initial_model)
+        ctx.models, ctx.merges = merge_reconverged(
+            ctx.models, reg, ref, self.config.cohort.merge_cohorts_threshold, ctx.round, sizes,
+            select=self._selector)
+        return ctx.merges
+
+    # ---------------------------------------------------------------- 8. end training
+    def end_training(self, ctx: RoundContext) -> None:
+        """Install the round's cohort models and record the round in the registry."""
+        reg = self.state.registry
+        self.state.cohort_models = {c: ctx.models[c] for c in reg.active_cohorts()}
+        reg.record_round(ctx.round)
+
+    # ---------------------------------------------------------------- 9. evaluate
+    def evaluation_due(self, round_number: int) -> bool:
+        return round_number % self.config.evaluation.every == 0
+
+    def secure_sums(self, ctx: RoundContext) -> SecureSums:
+        """Secure aggregation of the participants' on-device reports (evaluated with the
+        round's new cohort models)."""
+        ids = ctx.participants
+        reg = self.state.registry
+        assignments = {c: int(reg.cohort_of(c)) for c in ids}
+        return self.evaluator.secure_sums(self.clients, ctx.round, ids, self.region_of,
+                                          assignments, self.state.cohort_models)
+
+    def evaluate(self, ctx: RoundContext, sums: SecureSums, *, gate: Gate | None = None,
+                 run_id: str = "", step: Step = direct_step) -> EvaluationOutcome:
+        """Plan, charge (when a ledger is open), draw noise once per granted release, and
+        close the evaluation round (envelopes, alerts, merges, bounds)."""
+        ev = self.evaluator.open_round(sums)
+        if self.budget is None:
+            ctx.evaluation = self.evaluator.release_all(ev)
+            return ctx.evaluation
+        region_of = {c: self.region_of[c] for c in ctx.participants}
+        view = budgeted_evaluation(self.evaluator, ev, self.budget, region_of, gate=gate,
+                                   run_id=run_id, step=step)
+        ctx.evaluation = self.evaluator.finish(ev, budget_view=view)
+        return ctx.evaluation
+
+    # ---------------------------------------------------------------- 10. finish
+    def finish(self, ctx: RoundContext) -> RoundResult:
+        """Close the round: ``rounds_done`` and the :class:`RoundResult`."""
+        self.state.rounds_done = ctx.round
+        reg = self.state.registry
+        div = None
+        if ctx.divergence is not None:
+            div = {**ctx.divergence.summary(),
+                   "quarantined_atypical": sum(d.get("n_atypical", 0)
+                                               for d in ctx.cohorting.diagnostics.values())}
+        return RoundResult(
+            round=ctx.round,
+            cohorts={c: len(reg.members(c)) for c in reg.active_cohorts()},
+            flagged=sum(u.drift_flag for u in ctx.updates),
+            quarantined=len(ctx.quarantined),
+            new_cohorts={k: {"parent": ctx.cohorting.parents[k], "size": len(v)}
+                         for k, v in ctx.cohorting.new_cohorts.items()},
+            merges=[{"merged": g, "into": n} for g, n in ctx.merges],
+            regional=ctx.evaluation.published if ctx.evaluation is not None else None,
+            divergence=div,
+            evaluation=ctx.evaluation,
+            participants=len(ctx.updates),
+            dropouts=len(ctx.failed),
+            seconds=time.perf_counter() - ctx.t0,
+        )
+
+    # ---------------------------------------------------------------- the bare loop
+    def after_training(self, ctx: RoundContext,
+                       on_divergence: Callable[[DivergenceOutcome], None] | None = None) -> None:
+        """Steps 3-8 on the accepted updates (what a strategy runs once the replies are in)."""
+        self.detect_drift(ctx)
+        div = self.score_divergence(ctx)
+        if div is not None and on_divergence is not None:
+            on_divergence(div)
+        self.aggregate(ctx)
+        self.cohort(ctx)
+        self.merge(ctx)
+        self.end_training(ctx)
+
+    def run_round(self, round_number: int, *, gate: Gate | None = None, run_id: str = "",
+                  on_divergence: Callable[[DivergenceOutcome], None] | None = None,
+                  chunk_size: int | None = None) -> RoundResult:
+        """One whole round without any orchestrator (the ten steps in order).
+
+        ``chunk_size`` splits the training call into chunks of clients (the Prefect flow
+        maps one task per chunk); the result does not depend on it.
+        """
+        ctx = self.begin_round(round_number)
+        size = chunk_size or max(1, len(ctx.selected))
+        chunks = [ctx.selected[i:i + size] for i in range(0, len(ctx.selected), size)]
+        self.accept(ctx, [self.train(ctx, chunk) for chunk in chunks])
+        self.after_training(ctx, on_divergence)
+        if self.evaluation_due(round_number) and ctx.participants:
+            self.evaluate(ctx, self.secure_sums(ctx), gate=gate, run_id=run_id)
+        return self.finish(ctx)
+
+    def cohort_sizes(self) -> Mapping[int, int]:
+        reg = self.state.registry
+        return {c: len(reg.members(c)) for c in reg.active_cohorts()}

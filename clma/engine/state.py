@@ -1,0 +1,136 @@
+"""What the server holds: public assets, and the state that must survive between rounds.
+
+:class:`ServerAssets` are fixed for a federation and public (no client data): the model
+architecture, the initial model, the shared probe set used for divergence scoring, and the
+versioned region partition. :class:`ServerState` changes every round: the cohort registry
+with lineage, every active cohort's model, the merge reference, the evaluation state
+(alert baselines, clip-bound versions, monitoring merges) and the round counter. It holds
+no client data and no raw per-client value; :func:`snapshot_files` / :func:`restore_files`
+turn it into the durable state directory's files (:mod:`clma.state`).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from clma.cohort import CohortRegistry
+from clma.regions import RegionPartition
+
+__all__ = ["ModelSpec", "ServerAssets", "ServerState", "restore_files", "snapshot_files"]
+
+
+class ModelSpec(Protocol):
+    """The model architecture: ``build(seed=None)`` returns a fresh ``torch.nn.Module``."""
+
+    def build(self, seed: int | None = None) -> Any: ...
+
+
+@dataclass(frozen=True)
+class ServerAssets:
+    """Public, fixed inputs of the server (no client data).
+
+    Attributes:
+        model_spec: the architecture (:class:`ModelSpec`).
+        initial_model: float32 ``(n_params,)`` full state (``AllParams`` order).
+        probe_x: float32 ``(P, ...)`` shared probe inputs (divergence scoring).
+        partition: the versioned region partition (regions, neighbours, version, hash).
+        dataset_name: name of the data set (recorded in summaries).
+    """
+
+    model_spec: Any
+    initial_model: np.ndarray
+    probe_x: np.ndarray
+    partition: RegionPartition
+    dataset_name: str
+
+    @property
+    def n_params(self) -> int:
+        return int(self.initial_model.shape[0])
+
+
+@dataclass
+class ServerState:
+    """The server's state between rounds (module docstring).
+
+    Attributes:
+        registry: cohort registry with lineage (client ids, never their data).
+        cohort_models: active cohort id -> float32 ``(n_params,)``.
+        merge_reference: pre-drift consensus model for merging (None until the first
+            quarantine).
+        evaluation: the evaluation path's state (:class:`clma.engine.evaluation.EvaluationState`),
+            created at the first evaluation.
+        rounds_done: last completed round (0 before the first).
+    """
+
+    registry: CohortRegistry
+    cohort_models: dict[int, np.ndarray]
+    merge_reference: np.ndarray | None = None
+    evaluation: Any = None
+    rounds_done: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def fresh(cls, client_ids: list[int], initial_model: np.ndarray) -> ServerState:
+        """Every client in root cohort 0 with the initial model."""
+        registry = CohortRegistry()
+        root = registry.create_root(sorted(client_ids), 0)
+        return cls(registry=registry,
+                   cohort_models={root: np.asarray(initial_model, dtype=np.float32).copy()})
+
+    def models_for(self, client_ids: list[int]) -> dict[int, np.ndarray]:
+        """Client id -> the model of its current cohort."""
+        return {c: self.cohort_models[self.registry.cohort_of(c)] for c in client_ids}
+
+    def assignments(self, client_ids: list[int]) -> dict[int, int]:
+        """Client id -> its current cohort id."""
+        return {int(c): int(self.registry.cohort_of(c)) for c in client_ids}
+
+
+def _json_bytes(obj: Any) -> bytes:
+    return (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode("utf-8")
+
+
+def snapshot_files(state: ServerState) -> dict[str, bytes]:
+    """The state as snapshot files: ``registry.json``, ``models.npz`` (cohort models and
+    merge reference, float32) and ``evaluation.json`` (null before the first evaluation)."""
+    buf = io.BytesIO()
+    arrays = {f"cohort_{c}": np.asarray(v, dtype=np.float32)
+              for c, v in sorted(state.cohort_models.items())}
+    if state.merge_reference is not None:
+        arrays["merge_reference"] = np.asarray(state.merge_reference, dtype=np.float32)
+    np.savez(buf, **arrays)
+    ev = state.evaluation
+    return {
+        "registry.json": _json_bytes(state.registry.to_dict()),
+        "models.npz": buf.getvalue(),
+        "evaluation.json": _json_bytes(ev.to_dict() if ev is not None else None),
+    }
+
+
+def restore_files(files: Mapping[str, bytes], rounds_done: int) -> ServerState:
+    """Inverse of :func:`snapshot_files`.
+
+    Raises:
+        ValueError: the models do not match the registry's active cohorts.
+    """
+    from clma.engine.evaluation import EvaluationState
+
+    registry = CohortRegistry.from_dict(json.loads(files["registry.json"].decode("utf-8")))
+    with np.load(io.BytesIO(files["models.npz"])) as z:
+        models = {int(k.split("_", 1)[1]): z[k].astype(np.float32) for k in z.files
+                  if k.startswith("cohort_")}
+        ref = z["merge_reference"].astype(np.float32) if "merge_reference" in z.files else None
+    if set(models) != set(registry.active_cohorts()):
+        raise ValueError("models.npz: cohort models do not match the registry's active cohorts")
+    ev = None
+    if "evaluation.json" in files:
+        doc = json.loads(files["evaluation.json"].decode("utf-8"))
+        ev = EvaluationState.from_dict(doc) if doc is not None else None
+    return ServerState(registry=registry, cohort_models=models, merge_reference=ref,
+                       evaluation=ev, rounds_done=int(rounds_done))
