@@ -166,9 +166,11 @@ class DPFedAvgConfig(_Strict):
         default=1.0, description="sigma / clipping_bound on the summed clipped updates."
     )
     noise_seeded: bool = Field(
-        default=True,
-        description="True: seeded simulation noise (reproducible, NOT private); "
-        "False: OpenDP's secure sampler.",
+        default=False,
+        description="False (default): OpenDP's secure sampler. True: seeded simulation "
+        "noise for experiments and tests: reproducible and NOT private (labelled on every "
+        "release; refused with real clients or servers unless "
+        "testing.allow_seeded_noise_not_private).",
     )
 
 
@@ -259,9 +261,11 @@ class EvaluationConfig(_Strict):
         default=5.0, description="Clipping bound L_max of the mean loss, in nats."
     )
     noise_seeded: bool = Field(
-        default=True,
-        description="True: noise from a seeded simulation sampler (reproducible, NOT for "
-        "production); False: OpenDP's secure sampler.",
+        default=False,
+        description="False (default): OpenDP's secure sampler. True: seeded simulation "
+        "noise for experiments and tests: reproducible and NOT private (labelled on every "
+        "release; refused with real clients or servers unless "
+        "testing.allow_seeded_noise_not_private).",
     )
     global_epsilon: Annotated[float, Field(gt=0.0, le=100.0)] | None = Field(
         default=None, description="Epsilon of the global release; None = epsilon."
@@ -419,6 +423,17 @@ class TransportConfig(_Strict):
     )
 
 
+class ForTestingConfig(_Strict):
+    """Settings that exist for tests only. Never set them in production."""
+
+    allow_seeded_noise_not_private: bool = Field(
+        default=False,
+        description="TESTING ONLY: let seeded noise (evaluation.noise_seeded / "
+        "training.dp.noise_seeded: reproducible, NOT private) run with the Flower transport "
+        "or a configured Prefect server; the equality tests of a real deployment need it.",
+    )
+
+
 class FederationConfig(_Strict):
     """The whole federation. Load with :func:`load_config`; every field has a default."""
 
@@ -439,6 +454,27 @@ class FederationConfig(_Strict):
     state: StateConfig = Field(default_factory=StateConfig)
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
     federation: TransportConfig = Field(default_factory=TransportConfig)
+    testing: ForTestingConfig = Field(default_factory=ForTestingConfig)
+
+    @property
+    def seeded_noise(self) -> bool:
+        """Whether any release of this federation draws seeded (NOT private) noise."""
+        return self.evaluation.noise_seeded or (self.training.dp.enabled
+                                                and self.training.dp.noise_seeded)
+
+    def seeded_noise_refusal(self, *, real_server: bool) -> str | None:
+        """Why this config may not run here (None: it may): seeded noise with the Flower
+        transport (real clients) or a real Prefect server (``real_server``), unless
+        ``testing.allow_seeded_noise_not_private``."""
+        if not self.seeded_noise or self.testing.allow_seeded_noise_not_private:
+            return None
+        where = ("the flower transport (real clients)" if self.transport == "flower"
+                 else "a configured Prefect server (PREFECT_API_URL)" if real_server else None)
+        if where is None:
+            return None
+        return (f"evaluation.noise_seeded / training.dp.noise_seeded: seeded noise is "
+                f"reproducible and NOT private, and is refused with {where}; set "
+                "testing.allow_seeded_noise_not_private = true only in tests")
 
     @property
     def transport(self) -> str:

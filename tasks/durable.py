@@ -260,6 +260,8 @@ class FederationSession:
             publish_dashboards(self.dashboards, report, federation=self.config.name,
                                tracker=tracker, out_dir=self.out_dir)
         self._new_records.append(record_to_dict(rec))
+        if self.store is not None and rec.evaluation is not None:
+            self.store.write_audit(rec.round, rec.evaluation.audit)
         _failpoint("kill-before-commit", rec.round)
         self.commit(engine, rec.round)
 

@@ -65,7 +65,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from clma.cohort import CohortRegistry
-from clma.release.aggregate import BelowCohortFloor, participant_band
+from clma.release import count_band
 
 __all__ = [
     "LINEAGE_SCHEMA",
@@ -104,13 +104,9 @@ def registered_model_name(config: Any) -> str:
 
 
 def cohort_band(n_members: int, min_cohort: int) -> str:
-    """Members' count band of a cohort (see module table); never the count itself."""
-    if n_members <= 0:
-        return "none"
-    try:
-        return participant_band(n_members, min_cohort).value
-    except BelowCohortFloor:
-        return "below_minimum"
+    """Members' count band of a cohort (see module table); never the count itself
+    (:func:`clma.release.count_band`)."""
+    return count_band(n_members, min_cohort)
 
 
 def lineage_document(registry: CohortRegistry, min_cohort: int, rounds_done: int

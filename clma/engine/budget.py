@@ -13,8 +13,11 @@ Evaluation (:func:`budgeted_evaluation`). The round's ledger entries
 entry covers every group at the full epsilon, parallel composition). For each entry, in
 order:
 
-1. a regional entry on a round off the policy's ``regional_cadence_rounds`` is skipped
-   (``off_cadence``; nothing charged, nothing drawn);
+1. an entry with nothing to release (every group of its scope below the floor, aborted or
+   not evaluated: the round's secure sums are known before any charge) is skipped
+   (``not_charged``: nothing charged for nothing); a regional entry on a round off the
+   policy's ``regional_cadence_rounds`` is skipped (``off_cadence``; nothing charged,
+   nothing drawn);
 2. the charge is reserved with the idempotency key ``(epoch, round, entry name)``
    (regional charges carry the client -> region membership, so a client moving region
    switches the line to the sum);
@@ -353,7 +356,7 @@ def budgeted_evaluation(
 
     Returns the ledger's view ``{"round", "metrics": {entry: published}, "epsilon_spent",
     "budget": {"released", "republished", "refused": {name: reason}, "off_cadence",
-    "borrows", "policy_version"}}``.
+    "not_charged", "borrows", "policy_version"}}``.
     """
     round_number = ev.round
     plans = charge_plans(evaluator)
@@ -361,10 +364,17 @@ def budgeted_evaluation(
     epoch = budget.policy.epoch_of_round(ledger_round(round_number))
     info: dict[str, Any] = {
         "released": [], "republished": [], "refused": {}, "off_cadence": [], "borrows": [],
-        "policy_version": budget.policy.policy_version,
+        "not_charged": [], "policy_version": budget.policy.policy_version,
     }
     out: dict[str, Any] = {"round": round_number, "metrics": {}, "epsilon_spent": 0.0}
     for plan in plans:  # one at a time: charge, (gate), draw, commit
+        on_cadence = plan.scope == "global" or regional_on_cadence(budget.policy, round_number)
+        if on_cadence and not evaluator.releases_of(ev, plan.name):
+            info["not_charged"].append(plan.name)
+            budget.events.append({"kind": "release_not_charged", "round": round_number,
+                                  "release": plan.name, "epoch": epoch,
+                                  "reason": "nothing_to_release"})
+            continue
         res = step("charge-evaluation", charge_entry, budget, plan, round_number, region_of,
                    regions)
         if res is None:

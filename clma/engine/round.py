@@ -31,6 +31,9 @@ evaluation), as :class:`FederationEngine` steps over one :class:`RoundContext`:
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -204,8 +207,24 @@ class FederationEngine:
 
     # ---------------------------------------------------------------- 1. select
     def select(self, round_number: int) -> list[int]:
-        """Seeded uniform selection of ``ceil(participation * n)`` clients of the roster."""
-        rng = np.random.default_rng([self.config.seed, round_number, 11])
+        """Uniform selection without replacement of ``ceil(participation * n)`` clients of
+        the roster.
+
+        Randomness: under DP-FedAvg with secure noise the sample is drawn from
+        HMAC-SHA256(``state.selection_key``, round) — a server secret kept in the state
+        folder, so the sample (whose secrecy the privacy amplification by sampling
+        assumes) is not derivable from published values; otherwise from the published
+        ``(seed, round)`` (reproducible simulations).
+        """
+        dp = self.config.training.dp
+        if dp.enabled and not dp.noise_seeded:
+            if self.state.selection_key is None:
+                self.state.selection_key = os.urandom(32)
+            digest = hmac.new(self.state.selection_key, f"clma-select|{round_number}".encode(),
+                              hashlib.sha256).digest()
+            rng = np.random.default_rng(int.from_bytes(digest[:16], "little"))
+        else:
+            rng = np.random.default_rng([self.config.seed, round_number, 11])
         return select_clients(self.roster.client_ids, self.config.training.participation, rng)
 
     def begin_round(self, round_number: int, selected: Sequence[int] | None = None
