@@ -335,8 +335,14 @@ class TrackingConfig(_Strict):
     )
     log_models: bool = Field(
         default=True,
-        description="Log each cohort's model as an MLflow model in every round it changes "
-        "and register it with the alias cohort-<id> (needs lineage).",
+        description="Log each cohort's model as an MLflow model and register it with the "
+        "alias cohort-<id> (needs lineage): when the cohort is created, every "
+        "models_every rounds while it changes, and at the end of each flow run.",
+    )
+    models_every: PositiveInt = Field(
+        default=5,
+        description="Rounds between two logged versions of a changing cohort model "
+        "(1 = every round; exporting a model costs about a second).",
     )
     dashboards: bool = Field(
         default=True,
