@@ -6,19 +6,27 @@ has three line items (:class:`~clma.budget.policy.LineItem`): ``training``,
 ``evaluation.global`` and ``evaluation.regional``; a charge that would take its line above
 the line's cap is refused *before any noise is drawn*.
 
+Adjacency: replace-one client, for every line
+(:data:`clma.budget.accounting.ADJACENCY`); it is reported in every row of :meth:`table`.
+
 Composition (see :mod:`clma.budget.accounting`): sequential across the rounds of an
-epoch, with dp-accounting's PLD accountant (cross-checked by RDP) or, for lines with only
-Laplace events, the exact running sum of the epsilons. Parallel composition across
+epoch, with dp-accounting's RDP accountant for lines with DP-FedAvg rounds (sampled
+without replacement), its PLD accountant (cross-checked by RDP) for other lines with
+Gaussian events, or, for lines with only Laplace events, the exact running sum of the
+epsilons. Parallel composition across
 regions: the regional line is charged ``max over regions`` of each region's composed
 spend while every client stays in one region for the whole epoch, and the composition of
 all regional events (the *sum*) as soon as one client moves region within the epoch (the
 ledger tracks client -> region per epoch from the ``membership`` passed with each
 regional charge, as keyed HMACs of the client ids, or the caller declares
 ``region_membership_stable=False``). A move that would take the line above its cap refuses
-that charge. Training (DP-FedAvg, Gaussian noise on the cohort aggregate) charges one
-event per round; with several cohorts pass the smallest noise multiplier (each client is
-in one cohort per round, but clients change cohorts between rounds, so the worst cohort
-is charged every round).
+that charge. Training (DP-FedAvg, Gaussian noise on each cohort's clipped sum) charges
+one event per round,
+``MechanismEvent.gaussian_sampled_without_replacement(z, population_size, sample_size)``
+(:meth:`PrivacyLedger.charge_training`); with several cohorts pass the smallest noise
+multiplier (each client is in one cohort per round, but clients change cohorts between
+rounds, so the worst cohort is charged every round). Poisson-sampled events (older
+ledgers) are refused.
 
 Idempotency and crashes. A charge is keyed by ``(epoch, round, release)``. The two-phase
 API writes a PENDING row in the same transaction as the cap check (``reserve``), the
@@ -55,7 +63,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
-from clma.budget.accounting import CompositionResult, MechanismEvent, compose
+from clma.budget.accounting import ADJACENCY_NAME, CompositionResult, MechanismEvent, compose
 from clma.budget.policy import (
     BorrowApproval,
     BorrowDecision,
@@ -186,7 +194,11 @@ class Reservation:
 
 
 class LedgerRow(BaseModel):
-    """One row of :meth:`PrivacyLedger.table` (per client, per epoch, per line item)."""
+    """One row of :meth:`PrivacyLedger.table` (per client, per epoch, per line item).
+
+    ``adjacency`` is the neighbouring relation every spend is accounted under
+    (:data:`clma.budget.accounting.ADJACENCY_NAME`).
+    """
 
     model_config = ConfigDict(frozen=True)
 
@@ -203,6 +215,7 @@ class LedgerRow(BaseModel):
     composition: str
     pending_charges: int
     policy_version: str
+    adjacency: str = ADJACENCY_NAME
 
 
 def _now() -> str:
@@ -424,7 +437,7 @@ class PrivacyLedger:
             membership is not None or region_membership_stable is not True
         ):
             raise LedgerError("membership: only regional charges carry region membership")
-        events_json = _canonical([[r, ev.model_dump(mode="json")] for r, ev in tagged])
+        events_json = _canonical([[r, ev.to_record()] for r, ev in tagged])
         with self._connect() as con, self._tx(con):
             self._ensure_epoch(con, epoch)
             row = con.execute(
@@ -559,12 +572,17 @@ class PrivacyLedger:
 
     def charge_training(
         self, round: int, noise_multiplier: float, *,  # noqa: A002
-        sampling_probability: float = 1.0, release: str = "training",
+        population_size: int, sample_size: int, release: str = "training",
     ):
-        """Context manager charging one DP-FedAvg round (Gaussian, ``sigma / clip``) to
-        the training line; see :meth:`charge`."""
-        return self.charge(round, release, LineItem.TRAINING,
-                           [MechanismEvent.gaussian(noise_multiplier, sampling_probability)])
+        """Context manager charging one DP-FedAvg round to the training line: the Gaussian
+        mechanism with ``noise_multiplier = sigma / (2 C)`` on a uniform sample of exactly
+        ``sample_size`` of ``population_size`` clients
+        (:meth:`MechanismEvent.gaussian_sampled_without_replacement`); see :meth:`charge`.
+        For the two-phase use (commit after cohorting) reserve that event with
+        :meth:`reserve`."""
+        event = MechanismEvent.gaussian_sampled_without_replacement(
+            noise_multiplier, population_size, sample_size)
+        return self.charge(round, release, LineItem.TRAINING, [event])
 
     def charge_global(self, round: int, release: str, event: MechanismEvent):  # noqa: A002
         """Context manager charging one global evaluation release; see :meth:`charge`."""
@@ -599,6 +617,12 @@ class PrivacyLedger:
             tagged = [(None, ev) for ev in events]
         if any(not isinstance(ev, MechanismEvent) for _, ev in tagged):
             raise LedgerError("events: every event must be a MechanismEvent")
+        if any(ev.sampling == "poisson" for _, ev in tagged):
+            raise LedgerError(
+                "events: a Poisson-sampled event (sampling_probability < 1) is not charged"
+                " under replace-one accounting; charge"
+                " MechanismEvent.gaussian_sampled_without_replacement"
+            )
         return tagged
 
     # ------------------------------------------------------------------ back-off, borrowing

@@ -16,6 +16,7 @@ from dp_accounting.pld import PLDAccountant
 from dp_accounting.rdp import RdpAccountant
 
 from clma.budget import (
+    AccountingError,
     BorrowApproval,
     BorrowRefusal,
     BorrowRequest,
@@ -239,34 +240,31 @@ def test_concurrent_borrow_approvals_borrow_once(tmp_path):
 # ------------------------------------------------------------------ composition
 
 
-def test_gaussian_training_composition_matches_dp_accounting(ledger):
+def test_training_charge_is_the_sampled_gaussian_accounted_by_rdp_under_replace_one(ledger):
     for rnd in range(10):
-        with ledger.charge_training(rnd, 4.0) as res:
+        with ledger.charge_training(rnd, 1.5, population_size=60, sample_size=15) as res:
             assert res.status is ReservationStatus.GRANTED
+    (entry, *_) = ledger.entries()
+    assert '"population_size":60' in entry["events"] and '"sample_size":15' in entry["events"]
     spent = ledger.spent(0, T)
-    pld = PLDAccountant(value_discretization_interval=1e-3)
-    pld.compose(dp_accounting.GaussianDpEvent(4.0), 10)
-    rdp = RdpAccountant()
-    rdp.compose(dp_accounting.GaussianDpEvent(4.0), 10)
-    expected_pld, expected_rdp = pld.get_epsilon(7e-6), rdp.get_epsilon(7e-6)
-    assert spent.method == "pld" and spent.delta == pytest.approx(7e-6, rel=1e-12)
-    assert spent.epsilon == pytest.approx(expected_pld, rel=1e-9)
-    assert spent.epsilon_rdp == pytest.approx(expected_rdp, rel=1e-9)
-    # PLD is the tighter bound; RDP is within 10 % of it here
-    assert expected_pld < expected_rdp < 1.10 * expected_pld
-    # a finer PLD discretisation agrees to 1e-4
-    fine = PLDAccountant(value_discretization_interval=1e-4)
-    fine.compose(dp_accounting.GaussianDpEvent(4.0), 10)
-    assert spent.epsilon == pytest.approx(fine.get_epsilon(7e-6), abs=1e-4)
+    rdp = RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE)
+    rdp.compose(dp_accounting.SampledWithoutReplacementDpEvent(
+        60, 15, dp_accounting.GaussianDpEvent(1.5)), 10)
+    assert spent.method == "rdp" and spent.delta == pytest.approx(7e-6, rel=1e-12)
+    assert spent.epsilon == pytest.approx(rdp.get_epsilon(7e-6), rel=1e-12)
+    assert spent.adjacency == "replace_one"
+    row = ledger.table(0)[0]
+    assert (row.line_item, row.composition, row.adjacency) == ("training", "rdp", "replace_one")
 
 
-def test_subsampled_gaussian_and_mixed_line(ledger):
-    for rnd in range(5):
-        _charge(ledger, rnd, "training", T, [MechanismEvent.gaussian(1.5, 0.2)])
-    pld = PLDAccountant(value_discretization_interval=1e-3)
-    pld.compose(dp_accounting.PoissonSampledDpEvent(0.2, dp_accounting.GaussianDpEvent(1.5)), 5)
-    assert ledger.spent(0, T).epsilon == pytest.approx(pld.get_epsilon(7e-6), rel=1e-9)
-    # a line mixing Laplace and Gaussian releases is composed by PLD, not summed
+def test_poisson_sampled_charges_are_refused_and_mixed_lines_compose_by_pld(ledger):
+    # the old DP-FedAvg charge (Poisson sampling) is not charged any more ...
+    poisson = MechanismEvent.model_validate({"mechanism": "gaussian", "epsilon": None,
+                                             "noise_multiplier": 1.5, "sampling_probability": 0.2})
+    with pytest.raises(LedgerError, match="gaussian_sampled_without_replacement"):
+        ledger.reserve(0, "training", T, [poisson])
+    assert ledger.entries() == []
+    # a line mixing Laplace and unsampled Gaussian releases is composed by PLD, not summed
     _charge(ledger, 0, "g.a", G, [LAP(0.25)])
     _charge(ledger, 0, "g.b", G, [MechanismEvent.gaussian(8.0)])
     mixed = PLDAccountant(value_discretization_interval=1e-3)
@@ -274,6 +272,30 @@ def test_subsampled_gaussian_and_mixed_line(ledger):
     mixed.compose(dp_accounting.GaussianDpEvent(8.0))
     got = ledger.spent(0, G)
     assert got.method == "pld" and got.epsilon == pytest.approx(mixed.get_epsilon(1.5e-6), rel=1e-9)
+    # ... and a finer PLD discretisation agrees to 1e-3
+    fine = PLDAccountant(value_discretization_interval=1e-4)
+    fine.compose(dp_accounting.LaplaceDpEvent(4.0))
+    fine.compose(dp_accounting.GaussianDpEvent(8.0))
+    assert got.epsilon == pytest.approx(fine.get_epsilon(1.5e-6), abs=1e-3)
+
+
+def test_a_ledger_with_old_poisson_charges_opens_but_does_not_compose_them(tmp_path):
+    """Ledgers written before replace-one accounting still open and list their charges; the
+    Poisson-sampled training charges they hold cannot be composed (no valid bound)."""
+    led = PrivacyLedger(tmp_path / "s")
+    con = sqlite3.connect(led.path)
+    con.execute(
+        "INSERT INTO charges (epoch, round, release, line, status, events, line_epsilon_after,"
+        " policy_version, reserved_at) VALUES (0, 0, 'training', 'training', 'committed', ?,"
+        " 0.5, 'clma-privacy-policy-v1', 'then')",
+        ('[[null,{"epsilon":null,"mechanism":"gaussian","noise_multiplier":1.5,'
+         '"sampling_probability":0.2}]]',))
+    con.commit()
+    con.close()
+    reopened = PrivacyLedger(tmp_path / "s")
+    assert [e["release"] for e in reopened.entries()] == ["training"]
+    with pytest.raises(AccountingError, match="Poisson"):
+        reopened.spent(0, T)
 
 
 def test_pure_epsilon_line_is_the_exact_running_sum(ledger):
@@ -374,7 +396,7 @@ def test_borrow_once_per_epoch_with_an_allowed_approver(ledger):
 
 def test_non_allow_listed_approver_refused_recorded_and_training_backs_off(ledger):
     _exhaust_global(ledger)
-    with ledger.charge_training(0, 4.0) as res:
+    with ledger.charge_training(0, 4.0, population_size=60, sample_size=60) as res:
         assert res.status is ReservationStatus.GRANTED
     d = decide_borrow(BorrowRequest(epoch=0, line=G, epsilon=0.5),
                       BorrowApproval(approver="mallory", approve=True, reason="trust me"),
@@ -384,14 +406,14 @@ def test_non_allow_listed_approver_refused_recorded_and_training_backs_off(ledge
     assert (b["approved"], b["refusal"], b["approver"], b["approver_reason"]) == (
         0, "not_on_allow_list", "mallory", "trust me")
     # training backs off for the rest of the epoch ...
-    with ledger.charge_training(1, 4.0) as res:
+    with ledger.charge_training(1, 4.0, population_size=60, sample_size=60) as res:
         assert res.refused and res.refusal == "training_frozen"
     assert [r for r in ledger.table(0) if r.line_item == "training"][0].training_frozen
     # ... while evaluation keeps its reserved allocation (regional line untouched)
     assert _regional(ledger, 1, 0.5, 0.5).status is ReservationStatus.GRANTED
     assert ledger.spent(0, G).epsilon == 1.5  # no borrowed budget appeared
     # the next epoch trains again
-    with ledger.charge_training(10, 4.0) as res:
+    with ledger.charge_training(10, 4.0, population_size=60, sample_size=60) as res:
         assert res.status is ReservationStatus.GRANTED
 
 
@@ -457,7 +479,7 @@ def test_policy_version_recorded_everywhere_and_caps_fixed_per_epoch(tmp_path):
 
 
 def test_table_rows_and_columns(ledger):
-    with ledger.charge_training(0, 4.0):
+    with ledger.charge_training(0, 4.0, population_size=60, sample_size=60):
         pass
     _charge(ledger, 0, "g", G, [LAP(0.5)])
     _regional(ledger, 0, 0.25, 0.125)
@@ -466,9 +488,15 @@ def test_table_rows_and_columns(ledger):
         "training", "evaluation", "evaluation.global", "evaluation.regional"]
     tr, ev, g, r = rows
     assert tr.cap_epsilon == 7.0 and tr.remaining_epsilon == pytest.approx(7.0 - tr.spent_epsilon)
-    assert 0.9 < tr.spent_epsilon < 1.0  # one Gaussian round, sigma/clip = 4, delta 7e-6
+    # one DP-FedAvg round, all 60 of 60 clients, z = 4, delta 7e-6: dp-accounting's RDP
+    rdp = RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE)
+    rdp.compose(dp_accounting.SampledWithoutReplacementDpEvent(
+        60, 60, dp_accounting.GaussianDpEvent(4.0)))
+    assert tr.spent_epsilon == pytest.approx(rdp.get_epsilon(7e-6), rel=1e-12)
+    assert 1.0 < tr.spent_epsilon < 1.1
     assert (g.spent_epsilon, r.spent_epsilon, ev.spent_epsilon) == (0.5, 0.25, 0.75)
     assert (ev.cap_epsilon, ev.remaining_epsilon) == (3.0, 2.25)
+    assert {x.adjacency for x in rows} == {"replace_one"}
     cols = ledger.table_columns(0)
     assert cols["line_item"] == [x.line_item for x in rows]
     assert set(cols) == set(type(rows[0]).model_fields)
