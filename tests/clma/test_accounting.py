@@ -4,6 +4,8 @@ event (computed here with dp-accounting directly)."""
 
 from __future__ import annotations
 
+import math
+
 import dp_accounting
 import numpy as np
 import pytest
@@ -17,6 +19,8 @@ from clma.budget import (
     MechanismEvent,
     compose,
 )
+from clma.config import default_config
+from clma.rounds import selection_size
 
 REPLACE_ONE = dp_accounting.NeighboringRelation.REPLACE_ONE
 SWOR = MechanismEvent.gaussian_sampled_without_replacement
@@ -171,3 +175,38 @@ def test_pure_line_is_the_exact_sum_and_needs_no_delta():
     with pytest.raises(AccountingError, match="delta"):
         compose([SWOR(1.0, 10, 5)], 0.0)
     assert compose([], 1e-5).method == "none"
+
+
+# ------------------------------------------------------------------ the review's figures
+
+
+def test_review_regression_ten_rounds_at_z_one_on_the_default_configuration():
+    """Issue 21 item 3: on the default configuration (60 clients, participation 1: all 60
+    selected each round), 10 DP-FedAvg rounds with noise std C on the sum of updates
+    clipped to C (the old estimator at z = 1, realised n = 60) cost epsilon 46.2 under
+    replace-one (its replace-one noise multiplier is 1/2) but were charged 17.9 (add-or-
+    remove, z = 1). The charge for that mechanism is now RDP's bound on the replace-one
+    value (48.8 >= 46.2), and the new estimator at z = 1 (noise std 2 C) costs 19.05."""
+    cfg = default_config()  # clma/configs/default.toml
+    population = cfg.clients
+    sample = selection_size(population, cfg.training.participation)
+    assert (population, sample) == (60, 60)
+    delta = 1e-5
+    old_charge = PLDAccountant(value_discretization_interval=1e-3)
+    old_charge.compose(dp_accounting.GaussianDpEvent(1.0), 10)
+    assert round(old_charge.get_epsilon(delta), 1) == 17.9
+    tight_replace_one = PLDAccountant(REPLACE_ONE, value_discretization_interval=1e-3)
+    tight_replace_one.compose(dp_accounting.GaussianDpEvent(1.0), 10)  # sigma / C = 1
+    assert round(tight_replace_one.get_epsilon(delta), 1) == 46.2
+
+    # the same mechanism (sigma = C = z * 2C with z = 1/2), charged as declared now
+    now = compose([SWOR(0.5, population, sample)] * 10, delta)
+    assert now.epsilon == pytest.approx(_rdp([(dp_accounting.SampledWithoutReplacementDpEvent(
+        60, 60, dp_accounting.GaussianDpEvent(0.5)), 10)], delta), rel=1e-12)
+    assert round(now.epsilon, 2) == 48.80
+    assert now.epsilon >= tight_replace_one.get_epsilon(delta)  # an upper bound, never less
+    # the new estimator at z = 1: twice the noise
+    new = compose([SWOR(1.0, population, sample)] * 10, delta)
+    assert round(new.epsilon, 2) == 19.05
+    assert new.epsilon >= old_charge.get_epsilon(delta)  # tight value of sigma = 2C: 17.86
+    assert math.isclose(new.epsilon, compose([SWOR(1.0, 60, 60)] * 10, delta).epsilon)
