@@ -153,17 +153,21 @@ class ModelConfig(_Strict):
 
 
 class DPFedAvgConfig(_Strict):
-    """DP-FedAvg on the server (McMahan et al., ICLR 2018): clipped client updates,
-    Gaussian noise ``sigma = noise_multiplier * clipping_bound / n_cohort`` on each
-    cohort's mean update. Off by default (it costs accuracy); when on, every round charges
-    the ledger's training line and training backs off when that line is refused."""
+    """DP-FedAvg on the server (McMahan et al., ICLR 2018) with the fixed-denominator
+    estimator: client updates clipped to L2 norm ``clipping_bound`` C, summed per cohort,
+    Gaussian noise of std ``noise_multiplier * 2C`` (the replace-one sensitivity of the
+    sum) added once, divided by the cohort's public denominator D (expected participants,
+    fixed before the round). Off by default (it costs accuracy); when on, every round
+    charges the ledger's training line as a sample without replacement of the clients
+    (RDP accounting) and training backs off when that line is refused."""
 
     enabled: bool = False
     clipping_bound: Annotated[float, Field(gt=0.0, le=1e6)] = Field(
         default=1.0, description="L2 norm bound of one client's update (params - start model)."
     )
     noise_multiplier: Annotated[float, Field(gt=0.0, le=1e6)] = Field(
-        default=1.0, description="sigma / clipping_bound on the summed clipped updates."
+        default=1.0, description="z = sigma / (2 * clipping_bound): noise std on the sum of "
+        "clipped updates over its replace-one L2 sensitivity."
     )
     noise_seeded: bool = Field(
         default=False,

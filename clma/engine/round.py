@@ -51,6 +51,7 @@ from clma.engine.budget import (
     direct_step,
     dp_aggregate,
     dp_commit,
+    dp_denominators,
     dp_new_cohort_model,
     policy_of,
 )
@@ -311,9 +312,14 @@ class FederationEngine:
         """FedAvg per cohort over the non-quarantined members (divergence weights
         applied), or DP-FedAvg after the round's training charge."""
         if self.config.training.dp.enabled:
+            reg = self.state.registry
+            n, k = len(self.roster.client_ids), len(ctx.selected)
+            denominators = dp_denominators(
+                {c: len(reg.members(c)) for c in ctx.start_models}, n, k)
             ctx.models, ctx.training = dp_aggregate(
                 self.config, self.budget, ctx.updates, ctx.quarantined, ctx.start_models,
-                ctx.round, ctx.weights)
+                ctx.round, ctx.weights, population_size=n, sample_size=k,
+                denominators=denominators)
         else:
             ctx.models = aggregate_per_cohort(ctx.updates, ctx.quarantined, ctx.start_models,
                                               ctx.weights)
