@@ -41,9 +41,9 @@ def _federation(config: FederationConfig):
 class ScriptedClients(SimulatedClients):
     """Simulated clients whose secure-aggregation steps follow a script.
 
-    ``drops``: client id -> the step it stops answering at (``share_keys``,
-    ``masked_input`` or ``unmasking``), through the simulation's own dropout mechanism
-    (instead of the seeded ``evaluation.dropout_rate`` draw). ``report``: client id ->
+    ``drops``: client id -> the step it stops answering at (``advertise``,
+    ``share_keys``, ``masked_input`` or ``unmasking``), through the simulation's own
+    dropout mechanism (instead of the seeded ``evaluation.dropout_rate`` draw). ``report``: client id ->
     the float ``(32,)`` report its device quantises and inputs (instead of its metric
     report on its own data); the device still clips and quantises it to the layout."""
 
@@ -60,6 +60,10 @@ class ScriptedClients(SimulatedClients):
 
     def secagg_advertise(self, request):
         out = super().secagg_advertise(request)
+        for c, stage in (self.drops or {}).items():
+            if stage == "advertise" and c in out.ok:
+                del out.ok[c]
+                out.failed[c] = "dropped out (simulated)"
         if self.report is None:
             return out
         quant = FixedPointQuantiser(request.layout.lower_bounds(), request.layout.upper_bounds(),

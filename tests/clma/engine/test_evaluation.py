@@ -80,6 +80,15 @@ def test_dropouts_up_to_n_minus_t_still_release(tiny_config, make_engine, secure
     g = secure_sums(engine, 1).groups["north"]
     assert (g.status, g.contributors, g.dropped) == ("ok", 6, 2)
     np.testing.assert_array_equal(g.sum_quantised, sum(q[c] for c in north[1:]) & MASK32)
+    # one never advertises keys, one leaves before sharing them: neither is in the sum,
+    # and the others' masks with them cancel (nobody shares keys with a silent client)
+    engine = make_engine(cfg, drops={north[0]: "advertise", north[1]: "share_keys"})
+    sums = secure_sums(engine, 1)
+    for gname, n in (("north", 7), ("global", 20)):
+        g = sums.groups[gname]
+        assert (g.status, g.selected, g.dropped, g.contributors) == ("ok", n, 2, n - 2)
+    np.testing.assert_array_equal(sums.groups["north"].sum_quantised,
+                                  sum(q[c] for c in north[2:]) & MASK32)
     # three gone (more than n - t): fewer masked inputs than the floor, nothing learned
     engine = make_engine(cfg, drops={c: "masked_input" for c in north[:3]})
     sums = secure_sums(engine, 1)
