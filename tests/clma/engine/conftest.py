@@ -6,8 +6,9 @@ tests/ is not a package: shared helpers are fixtures (factories) defined here.""
 
 from __future__ import annotations
 
+import dataclasses
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -45,13 +46,24 @@ class ScriptedClients(SimulatedClients):
     ``share_keys``, ``masked_input`` or ``unmasking``), through the simulation's own
     dropout mechanism (instead of the seeded ``evaluation.dropout_rate`` draw). ``report``: client id ->
     the float ``(32,)`` report its device quantises and inputs (instead of its metric
-    report on its own data); the device still clips and quantises it to the layout."""
+    report on its own data); the device still clips and quantises it to the layout.
+    ``flags``: round -> clients whose training reply raises the drift flag whatever their
+    detector says (a cheap stand-in for a detected drift; the update is the device's)."""
 
     def __init__(self, federation, *, drops: Mapping[int, str] | None = None,
-                 report: Callable[[int], np.ndarray] | None = None, **kw) -> None:
+                 report: Callable[[int], np.ndarray] | None = None,
+                 flags: Mapping[int, Collection[int]] | None = None, **kw) -> None:
         super().__init__(federation, **kw)
         self.drops = None if drops is None else dict(drops)
         self.report = report
+        self.flags = {int(r): set(cs) for r, cs in (flags or {}).items()}
+
+    def train(self, request):
+        out = super().train(request)
+        for c in self.flags.get(request.round, ()):
+            if c in out.ok:
+                out.ok[c] = dataclasses.replace(out.ok[c], drift_flag=True)
+        return out
 
     def _dropped_at(self, round_number: int, client_id: int, stage: str) -> bool:
         if self.drops is None:
@@ -75,6 +87,18 @@ class ScriptedClients(SimulatedClients):
                 self.report(c), request.layout.lower_bounds(), request.layout.upper_bounds())),
                 request.sessions_of(c))
         return out
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_torch_thread():
+    """One torch thread, as the flow and the Dask actors run (``torch.set_num_threads(1)``):
+    the models are tiny, so more threads only contend for the machine's two cores."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture
