@@ -23,8 +23,9 @@ pytestmark = pytest.mark.slow
 
 def _config(tmp: Path):
     cfg = load_config(TINY).with_overrides(rounds=3)  # the drift at round 3 splits cohorts
-    return cfg.model_copy(update={"tracking": cfg.tracking.model_copy(
-        update={"enabled": False, "dashboards": False})})
+    return cfg.model_copy(update={
+        "tracking": cfg.tracking.model_copy(update={"enabled": False, "dashboards": False}),
+        "evaluation": cfg.evaluation.model_copy(update={"noise_seeded": True})})
 
 
 @pytest.fixture(scope="module")

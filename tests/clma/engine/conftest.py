@@ -120,13 +120,15 @@ def sampler_spy(monkeypatch):
 @pytest.fixture
 def tiny_config() -> Callable[..., FederationConfig]:
     """``tiny_config(**sections)``: 20 clients (regions central 5, islands 1, north 7,
-    south 4, west 3), seed 0, no tracking, no ledger, evaluation epsilon 2; each keyword
-    updates that section (``evaluation={...}``) or sets a top-level field."""
+    south 4, west 3), seed 0, no tracking, no ledger, evaluation epsilon 2 with seeded
+    noise (tests compare published values across runs); each keyword updates that
+    section (``evaluation={...}``) or sets a top-level field."""
 
     def make(**sections) -> FederationConfig:
         base = {"name": "tiny", "seed": 0, "rounds": 3, "clients": 20,
                 "data": {"probe_size": 32}, "tracking": {"enabled": False},
-                "budget": {"enabled": False}, "evaluation": {"epsilon": 2.0}}
+                "budget": {"enabled": False},
+                "evaluation": {"epsilon": 2.0, "noise_seeded": True}}
         for k, v in sections.items():
             base[k] = {**base[k], **v} if isinstance(base.get(k), dict) else v
         return validate_config(base)
