@@ -122,8 +122,9 @@ def run_sessions(clients: Clients, request: ReportRequest, *, floor: int,
     for sid, res in results.items():
         if not res.open:
             continue
-        for u, ro in rosters[sid].items():
-            asked2.setdefault(u, {})[sid] = ShareKeysRequest(ro, tuple(res._server.neighbours[u]))
+        for u, ro in rosters[sid].items():  # neighbours that advertised keys (the roster)
+            nb = tuple(v for v in res._server.neighbours[u] if v in ro)
+            asked2.setdefault(u, {})[sid] = ShareKeysRequest(ro, nb)
     shares = clients.secagg_share_keys(rnd, asked2) if asked2 else Replies()
     inboxes: dict[int, dict[str, list]] = {}
     for sid, res in results.items():
