@@ -17,6 +17,7 @@ from clma.engine import make_cohorter, open_budget
 from clma.engine.budget import (
     TRAINING_RELEASE,
     charge_plans,
+    coarse_size,
     dp_aggregate,
     dp_commit,
     dp_new_cohort_model,
@@ -203,35 +204,49 @@ def test_training_backs_off_when_the_line_is_frozen(small_config, mechanism_draw
     ups = _updates(rng, 6, 50)
     draws = mechanism_draws
 
-    models, info = dp_aggregate(cfg, budget, ups, [], start, 1)
+    dp = {"population_size": 6, "sample_size": 6, "denominators": {0: 6.0}}
+    models, info = dp_aggregate(cfg, budget, ups, [], start, 1, **dp)
     assert info["status"] == "aggregated" and len(draws) == 1
     assert not np.array_equal(models[0], start[0])
     assert [e["release"] for e in budget.ledger.entries()] == [TRAINING_RELEASE]
     models = dp_commit(info, models, {})  # after cohorting (none here)
     # re-run of round 1: the committed model is republished, no new noise, no new charge
-    again, info2 = dp_aggregate(cfg, budget, ups, [], start, 1)
+    again, info2 = dp_aggregate(cfg, budget, ups, [], start, 1, **dp)
     assert info2["status"] == "republished" and len(draws) == 1
     np.testing.assert_array_equal(again[0], models[0])
     assert len(budget.ledger.entries()) == 1
 
     budget.ledger.freeze_training(0, "test: refused borrow")
-    kept, info3 = dp_aggregate(cfg, budget, ups, [], start, 2)
+    kept, info3 = dp_aggregate(cfg, budget, ups, [], start, 2, **dp)
     assert info3 == {"status": "backed_off", "reason": "training_frozen"}
     np.testing.assert_array_equal(kept[0], start[0])  # no aggregation: the model is kept
     assert len(draws) == 1 and len(budget.ledger.entries()) == 1
     assert budget.events[-1]["kind"] == "training_backed_off"
 
 
-def test_training_charge_is_the_dp_fedavg_gaussian_event(small_config):
+def test_training_charge_is_the_sampled_without_replacement_gaussian_event(small_config):
+    """One round of DP-FedAvg over k of N clients is charged as dp-accounting's
+    SampledWithoutReplacementDpEvent(N, k, GaussianDpEvent(z)) under replace-one: the
+    ledger's epsilon equals the accountant's own value for that event."""
+    import dp_accounting
+    from dp_accounting.rdp import RdpAccountant
+
     cfg = small_config(epsilon_cap=1000.0, enabled=True, noise_multiplier=1.3,
                        clipping_bound=0.5)
     budget = open_budget(cfg)
     ups = _updates(np.random.default_rng(1), 4, 20)
-    dp_aggregate(cfg, budget, ups, [], {0: np.zeros(20, dtype=np.float32)}, 1)
+    dp_aggregate(cfg, budget, ups, [], {0: np.zeros(20, dtype=np.float32)}, 1,
+                 population_size=10, sample_size=4, denominators={0: 4.0})
     (entry,) = budget.ledger.entries()
     assert entry["line"] == "training"
     assert '"noise_multiplier":1.3' in entry["events"]
-    assert f'"sampling_probability":{cfg.training.participation!r}' in entry["events"]
+    assert '"population_size":10' in entry["events"] and '"sample_size":4' in entry["events"]
+    (row,) = [r for r in budget.ledger.table(0) if r.line_item == "training"]
+    acc = RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE)
+    acc.compose(dp_accounting.SampledWithoutReplacementDpEvent(
+        10, 4, dp_accounting.GaussianDpEvent(1.3)))
+    assert row.spent_epsilon == pytest.approx(acc.get_epsilon(row.delta), rel=1e-9)
+    assert row.adjacency == "replace_one"
 
 
 def test_crash_before_commit_redraws_but_after_commit_republishes_new_cohorts(
@@ -249,7 +264,8 @@ def test_crash_before_commit_redraws_but_after_commit_republishes_new_cohorts(
     draws = mechanism_draws
 
     def one_attempt(commit: bool):
-        models, info = dp_aggregate(cfg, budget, ups, [], start, 1)
+        models, info = dp_aggregate(cfg, budget, ups, [], start, 1, population_size=6,
+                                    sample_size=6, denominators={0: 6.0})
         models[7] = dp_new_cohort_model(cfg, info, 1)(7, new_members, start[0])
         if commit:
             models = dp_commit(info, models, {7: [0, 1, 2]})
@@ -319,13 +335,15 @@ def test_dp_fedavg_noise_std_matches_sigma_seeded_and_opendp():
     n_params, n, z, c = 40_000, 8, 1.7, 0.9
     ref = np.zeros(n_params, dtype=np.float32)
     same = [ref.copy() for _ in range(n)]  # zero updates: the model IS the noise
-    sigma = z * c / n
+    d = float(n)
+    sigma = z * 2 * c / d  # std 2 z C on the sum (replace-one sensitivity 2C), over D
     for seed, size in ((5, n_params), (None, 3_000)):
-        res = dp_fedavg(same[:], ref, clipping_bound=c, noise_multiplier=z, seed=seed)
+        res = dp_fedavg(same[:], ref, clipping_bound=c, noise_multiplier=z, denominator=d,
+                        seed=seed)
         assert res.sigma == pytest.approx(sigma, rel=1e-15)
         noise = res.model.astype(np.float64)[:size] if seed is not None else dp_fedavg(
             [r[:size] for r in same], ref[:size], clipping_bound=c, noise_multiplier=z,
-            seed=None).model.astype(np.float64)
+            denominator=d, seed=None).model.astype(np.float64)
         # sample std within 4 standard errors (se of s ~ sigma / sqrt(2 size))
         assert abs(noise.std(ddof=1) - sigma) < 4 * sigma / np.sqrt(2 * size)
         assert abs(noise.mean()) < 4 * sigma / np.sqrt(size)
@@ -339,11 +357,12 @@ def test_dp_fedavg_is_the_literal_clipped_mean_plus_noise():
     ref = rng.normal(size=30).astype(np.float32)
     params = [(ref + s * rng.normal(size=30)).astype(np.float32) for s in (0.01, 5.0, 0.2, 30.0)]
     c, z = 1.0, 0.8
-    res = dp_fedavg(params, ref, clipping_bound=c, noise_multiplier=z, seed=11)
+    res = dp_fedavg(params, ref, clipping_bound=c, noise_multiplier=z, denominator=4.0,
+                    seed=11)
     deltas = [p.astype(np.float64) - ref for p in params]
     clipped = [d * min(1.0, c / np.linalg.norm(d)) for d in deltas]
-    noise = np.random.default_rng(11).normal(0.0, z * c / 4, size=30)
-    expected = (ref + np.mean(clipped, axis=0) + noise).astype(np.float32)
+    noise = np.random.default_rng(11).normal(0.0, z * 2 * c, size=30)  # on the sum
+    expected = (ref + (np.sum(clipped, axis=0) + noise) / 4.0).astype(np.float32)
     np.testing.assert_allclose(res.model, expected, rtol=0, atol=1e-6)
     assert res.n_clipped == sum(np.linalg.norm(d) > c for d in deltas)
 
@@ -363,7 +382,8 @@ def test_clipping_bounds_the_update_norm():
     # the aggregate moves by at most C even when every client pushes far the same way
     ref = np.zeros(100, dtype=np.float32)
     far = [np.full(100, 50.0, dtype=np.float32) for _ in range(5)]
-    res = dp_fedavg(far, ref, clipping_bound=c, noise_multiplier=1e-9, seed=0)
+    res = dp_fedavg(far, ref, clipping_bound=c, noise_multiplier=1e-9, denominator=5.0,
+                    seed=0)
     assert np.linalg.norm(res.model.astype(np.float64)) == pytest.approx(c, rel=1e-5)
     assert res.n_clipped == 5
 
@@ -376,9 +396,7 @@ def test_clipping_bounds_the_update_norm():
 def test_dp_fedavg_rejects_bad_parameters(kwargs, match):
     ref = np.zeros(3, dtype=np.float32)
     with pytest.raises(ValueError, match=match):
-        dp_fedavg([ref], ref, seed=0, **kwargs)
-    with pytest.raises(ValueError, match="at least one"):
-        dp_fedavg([], ref, clipping_bound=1.0, noise_multiplier=1.0, seed=0)
+        dp_fedavg([ref], ref, seed=0, denominator=1.0, **kwargs)
 
 
 def test_new_cohorts_under_dp_are_released_through_the_dp_step(small_config):
@@ -406,10 +424,29 @@ def test_new_cohorts_under_dp_are_released_through_the_dp_step(small_config):
     by = {u.client_id: u for u in ups}
     for cid, members in out.new_cohorts.items():
         literal = dp_fedavg([by[c].params for c in members], ref, clipping_bound=0.5,
-                            noise_multiplier=1.0,
+                            noise_multiplier=1.0, denominator=float(coarse_size(len(members))),
                             seed=np.random.default_rng([cfg.seed, 3, 223, cid])).model
         np.testing.assert_array_equal(models[cid], literal)
         plain = fedavg([by[c].params for c in members], [10] * len(members))
         assert not np.allclose(models[cid], plain)  # not the un-noised, unclipped mean
     backed = dp_new_cohort_model(cfg, {"status": "backed_off"}, 3)
     np.testing.assert_array_equal(backed(9, [ups[0]], ref), ref)
+
+
+@pytest.mark.parametrize("n, expected", [(0, 1), (1, 1), (2, 2), (3, 4), (5, 4), (6, 8),
+                                         (11, 8), (12, 16), (22, 16), (23, 32), (45, 32),
+                                         (46, 64), (60, 64)])
+def test_coarse_size_is_the_nearest_power_of_two(n, expected):
+    assert coarse_size(n) == expected
+    if n >= 1:  # nearest on the log scale: within a factor sqrt(2)
+        assert 1 / np.sqrt(2) - 1e-12 <= n / expected <= np.sqrt(2) + 1e-12
+
+
+def test_dp_denominators_are_expected_participants_of_the_coarse_cohort():
+    from clma.engine.budget import dp_denominators
+
+    d = dp_denominators({0: 30, 3: 15, 4: 3}, population_size=60, sample_size=30)
+    assert d == {0: 32 * 30 / 60, 3: 16 * 30 / 60, 4: 4 * 30 / 60}
+    assert dp_denominators({0: 1}, 60, 6) == {0: 1.0}  # at least 1
+    with pytest.raises(ValueError, match="n: must be an integer"):
+        coarse_size(-1)

@@ -54,10 +54,15 @@ def test_secure_sums_equal_plain_sums_of_clipped_values(tiny_config, make_engine
             plain += rep.vector
         tol = len(members) * (layout.upper_bounds() - layout.lower_bounds()) / (2 * quant.levels)
         assert np.all(np.abs(g.sum - plain) <= tol + 1e-12)
-    # groups below max(m, 2) selected clients are not run at all
-    small = [g for g, s in sums.groups.items() if s.selected < 5]
-    assert small and all(sums.groups[g].status == "below_floor" for g in small)
-    assert all(sums.groups[g].sum is None for g in small)
+    # a region below the floor is summed only together with its named neighbour: every
+    # group the server learns a sum of has at least m clients, and the groups partition
+    # the participants (the global value is their sum, not a second secure sum)
+    assert sums.below_alone and any("+" in g for g in sums.groups)
+    assert all(s.contributors >= 5 for s in sums.groups.values() if s.status == "ok")
+    regions = [r for g, s in sums.groups.items() if g != "global" for r in s.members]
+    assert sorted(regions) == sorted(engine.assets.partition.region_ids)
+    assert sums.groups["global"].contributors == sum(
+        s.contributors for g, s in sums.groups.items() if g != "global" and s.status == "ok")
 
 
 def test_dropouts_up_to_n_minus_t_still_release(tiny_config, make_engine, secure_sums,
@@ -216,9 +221,10 @@ def test_configured_policy_floor_reaches_the_cohort_floor_and_the_envelopes(
         tiny_config, make_engine, secure_sums, evaluate_round, write_policy, tmp_path,
         with_ledger):
     """A ``budget.policy`` whose floor (7) differs from the shipped one (5): the engine's
-    cohort floor, the secure sums (central's 5 clients are below it, north's 7 are not) and
-    every envelope's minimum group size follow it (the old code read a ``fed.policy``
-    nothing set, so the shipped floor was used whatever the config said)."""
+    cohort floor, the secure sums (central's 5 clients are below it, so central is summed
+    with its named neighbour north) and every envelope's minimum group size follow it (the
+    old code read a ``fed.policy`` nothing set, so the shipped floor was used whatever the
+    config said)."""
     policy = write_policy("simulation_policy_v1.toml", minimum_group_size=7,
                           regional_cadence_rounds=1)
     budget = {"enabled": with_ledger, "policy": str(policy), "state_dir": str(tmp_path / "led")}
@@ -226,14 +232,17 @@ def test_configured_policy_floor_reaches_the_cohort_floor_and_the_envelopes(
     engine = make_engine(cfg, budget=True if with_ledger else None)
     assert engine.policy.evaluation.minimum_group_size == 7
     assert engine.evaluator.min_cohort == 7
-    if not with_ledger:  # control: under the shipped floor both regions are released
+    if not with_ledger:  # control: under the shipped floor north (7) is summed on its own
         shipped = make_engine(tiny_config(evaluation={"min_cohort": 2}))
         assert shipped.evaluator.min_cohort == 5
-        assert {g: s.status for g, s in secure_sums(shipped, 1).groups.items()
-                if g in ("central", "north")} == {"central": "ok", "north": "ok"}
+        control = secure_sums(shipped, 1)
+        assert control.groups["north"].status == "ok" and "central" not in control.below_alone
     sums = secure_sums(engine, 1)
-    assert {g: s.status for g, s in sums.groups.items() if g in ("central", "north")} == {
-        "central": "below_floor", "north": "ok"}
+    (with_central,) = [g for g in sums.groups if "central" in g.split("+")]
+    assert with_central != "central" and sums.groups[with_central].status == "ok"
+    assert sums.groups[with_central].contributors >= 7
+    assert sums.groups["north"].status == "ok"  # 7 clients: at the floor, on its own
+    assert "central" in sums.below_alone and "north" not in sums.below_alone
     assert sums.min_cohort == 7
     if with_ledger:
         assert engine.budget.policy.policy_version == "clma-privacy-policy-test"
@@ -242,12 +251,11 @@ def test_configured_policy_floor_reaches_the_cohort_floor_and_the_envelopes(
     else:
         out = engine.evaluator.release_all(engine.evaluator.open_round(sums))
     assert out.published["min_cohort"] == 7
-    assert "north" in out.published["metrics"]["accuracy"]["regions"]
-    assert "central" not in out.published["metrics"]["accuracy"]["regions"]
+    regions = out.published["metrics"]["accuracy"]["regions"]
+    assert with_central in regions and "north" in regions and "central" not in regions
     assert out.envelopes
     for text in out.envelopes.values():
         assert json.loads(text)["minimum_group_size"] == 7
-    central = FederatedMetricEnvelope.from_json(out.envelopes["accuracy/central.json"])
-    assert central.aggregate_value is None and central.participant_count_band.value == "suppressed"
+    assert "accuracy/central.json" not in out.envelopes  # never released on its own
     north = FederatedMetricEnvelope.from_json(out.envelopes["accuracy/north.json"])
     assert north.participant_count_band.value == "minimum_to_under_double"  # 7 <= n < 14
