@@ -199,3 +199,79 @@ def test_quantiser_bounds_and_device_reports_end_to_end():
     # a client reporting 1e6 is clipped on the device before quantisation
     assert quant.quantise(np.full(32, 1e6))[1] == Q
     np.testing.assert_array_equal(quant.l1_sensitivity_quantised()[29:], 0.0)
+
+
+# ---------------------------------------------------------------- issue 21, item 6
+
+
+def _drive_to_unmasking(inputs, cfg, silent_before_masked_input=()):
+    """Run rounds 0-2 with explicit messages; returns (server, clients, request)."""
+    ids = sorted(inputs)
+    server = secagg.SecAggServer(cfg, ids)
+    clients = {u: SecAggClient(u, cfg) for u in ids}
+    rosters = server.collect_advertisements([c.advertise() for c in clients.values()])
+    share_msgs = [clients[u].share_keys(rosters[u], server.neighbours[u]) for u in ids]
+    for u, box in server.route_shares(share_msgs).items():
+        clients[u].receive_shares(box)
+    gone = set(silent_before_masked_input)
+    request = server.collect_masked_inputs(
+        [clients[u].masked_input(inputs[u]) for u in ids if u not in gone])
+    return server, clients, request
+
+
+def _harary_ring(ids, seed):
+    """Ring order behind harary_neighbours(ids, degree, seed) (same permutation)."""
+    return [ids[i] for i in np.random.default_rng(seed).permutation(len(ids))]
+
+
+def _component_attack(n=40, seed=1):
+    """The review's partition attack: threshold fraction 0.51, two blocks of d/2 ring
+    neighbours go silent before their masked input, which cuts the Harary ring into two
+    14-client arcs A and B with no edge between them."""
+    d = secagg_plus_degree(n)  # 12
+    holders = d + 1
+    t = max(2, holders // 2 + 1, int(np.ceil(0.51 * holders)))  # tasks/evaluate.py's rule: 7
+    cfg = SecAggConfig(n_clients=n, threshold=t, vector_length=32, neighbour_degree=d,
+                       graph_seed=seed)
+    ring = _harary_ring(list(range(n)), seed)
+    half = d // 2
+    block1, arc_a = ring[:half], ring[half:half + 14]
+    block2, arc_b = ring[half + 14:2 * half + 14], ring[2 * half + 14:]
+    assert len(arc_a) == len(arc_b) == 14
+    nb = harary_neighbours(list(range(n)), d, seed)
+    assert not any(v in arc_b for u in arc_a for v in nb[u])  # A and B are not adjacent
+    return cfg, arc_a, arc_b, block1 + block2
+
+
+@pytest.mark.xfail(strict=True, reason="issue 21 item 6: every client answers today")
+def test_partition_attack_on_harary_ring_is_refused_by_every_client():
+    cfg, arc_a, arc_b, blocks = _component_attack()
+    inputs = _inputs(cfg.n_clients, seed=5)
+    _, clients, request = _drive_to_unmasking(inputs, cfg, silent_before_masked_input=blocks)
+    assert request.survivors == frozenset(arc_a + arc_b)
+    # each client's local check (>= t of its holders survived) passes ...
+    nb = harary_neighbours(list(range(cfg.n_clients)), cfg.neighbour_degree, cfg.graph_seed)
+    assert all(len((set(nb[u]) | {u}) & request.survivors) >= cfg.threshold
+               for u in request.survivors)
+    # ... yet the survivors' graph has two components, whose sums the server could
+    # unmask separately: every client must refuse
+    refused = 0
+    for u in sorted(request.survivors):
+        try:
+            clients[u].unmask(request)
+        except SecAggAbort:
+            refused += 1
+    assert refused == len(request.survivors)
+
+
+@pytest.mark.xfail(strict=True, reason="issue 21 item 6: a second request is answered today")
+def test_client_answers_the_unmasking_request_at_most_once():
+    cfg = SecAggConfig(n_clients=5, threshold=3, vector_length=32)
+    inputs = _inputs(5, seed=6)
+    _, clients, request = _drive_to_unmasking(inputs, cfg, silent_before_masked_input=[4])
+    clients[0].unmask(request)
+    contradictory = UnmaskingRequest(request.survivors - {3}, request.dropped | {3})
+    with pytest.raises(SecAggAbort, match="once"):
+        clients[0].unmask(contradictory)
+    with pytest.raises(SecAggAbort, match="once"):
+        clients[0].unmask(request)
