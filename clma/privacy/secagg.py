@@ -1,11 +1,27 @@
 """Pairwise-masking secure aggregation (Bonawitz et al. CCS 2017; SecAgg+ graph of Bell et al. CCS 2020).
 
 The server learns the SUM over the surviving clients of their clipped,
-quantised metric vectors, and nothing else about any single vector
-(honest-but-curious server, Bonawitz et al. §6.2).  Only the protocol is
-written here; the primitives come from ``cryptography`` (X25519 key
-agreement, HKDF-SHA256, AES-CTR as the mask PRG, AES-GCM for shares in
+quantised metric vectors, and nothing else about any single vector.  Only the
+protocol is written here; the primitives come from ``cryptography`` (X25519
+key agreement, HKDF-SHA256, AES-CTR as the mask PRG, AES-GCM for shares in
 transit) and ``pycryptodome`` (Shamir secret sharing over GF(2^128)).
+
+Threat model
+------------
+* Server: semi-honest (honest-but-curious, Bonawitz et al. §6.2): it follows the
+  protocol -- sends every survivor the same unmasking request, draws the graph
+  seed at random -- and tries to learn more from what it sees.  An actively
+  malicious server (different requests to different clients, a graph seed
+  ground against chosen victims) needs the consistency-check round with
+  signatures of Bonawitz et al. §4 / Bell et al. §4, which is not implemented.
+* Clients: up to a fraction ``corrupted_fraction`` (gamma) of them may collude
+  with the server (they hand over their secrets).
+* Dropouts: up to a fraction ``dropout_fraction`` (delta) of the clients go
+  silent at any step; the bounds below assume the dropped and the corrupted
+  clients do not depend on the neighbour graph (they are fixed before the graph
+  seed is drawn).  Dropouts chosen *after* seeing the graph are caught by the
+  clients' own checks (connectivity of the survivors, below), which abort the
+  round rather than let the server learn a smaller sum.
 
 Quantisation
 ------------
@@ -17,16 +33,67 @@ n clients is exact (no wrap-around) iff ``n * Q < 2^k``; this is checked when
 the round is configured (default: up to 65,537 clients).  Rounding error on the
 de-quantised sum is at most ``n * (upper - lower) / (2 Q)`` per coordinate.
 
-Neighbour graph
----------------
-``neighbour_degree=None``: complete graph (original SecAgg).  An even
-``neighbour_degree = d < n - 1``: a Harary graph H(d, n) on a seeded random
-permutation of the clients (SecAgg+, Bell et al. §3), each client masking with
-and secret-sharing to its d neighbours only; ``secagg_plus_degree(n)`` gives
-``d = 2 ceil(log2 n)`` (O(log n)).  A client's share holders are its
-neighbours and itself; the threshold t must be a strict majority of the
-holders (so a server cannot obtain both kinds of share of one client from two
-disjoint sets of honest clients) and at least 2.
+Neighbour graph and its seed
+----------------------------
+``neighbour_degree=None`` (or ``>= n - 1``): complete graph (original SecAgg).
+An even ``neighbour_degree = k < n - 1``: the Harary graph H(k, n) on a random
+ring order of the clients (SecAgg+): each client is linked to the k/2 clients
+on either side of it on the ring, masks with and secret-shares to those k
+neighbours only.  A client's share holders are its neighbours and itself
+(k + 1 holders); the share index of a holder is its rank in the sorted holder
+list (1-based).  The ring order is ``numpy.random.default_rng(graph_seed)
+.permutation`` of the sorted client ids, so the graph is fixed by
+``(client_ids, graph_seed)`` in :class:`SecAggConfig`, which the server sends in
+round 0, before any client has generated (let alone advertised) a key: the
+server cannot choose the graph after seeing keys.  Each client derives its own
+neighbours from the config and refuses a neighbour list that differs.  The
+bounds below need the ring to be independent of who is corrupted: a
+semi-honest server draws ``graph_seed`` at random (``secrets.randbits(64)``);
+against a malicious server the seed would have to come from a public beacon or
+a coin-flipping round (not implemented).
+
+SecAgg+ parameters (Bell et al. 2020, the semi-honest conditions)
+-----------------------------------------------------------------
+With ``c = ceil(gamma n)`` corrupted clients and at most ``d = ceil(delta n)``
+dropouts, the round is secure and correct when (Bell et al. §3):
+
+(S1) no honest client has t or more corrupted holders (else the corrupted
+     clients give the server the second secret of that client and its input
+     is revealed);
+(S2) the honest survivors stay connected in the neighbour graph (else the
+     server learns the sum of each connected component separately: the
+     partition attack);
+(C)  every client whose secret must be reconstructed keeps at least t
+     responding holders, and the survivors stay connected.
+
+On the random ring, a client's k neighbours are a uniform k-subset of the
+other n - 1 clients, so its number of corrupted (dropped) neighbours is
+hypergeometric, ``Hyp(n - 1, c, k)`` (``Hyp(n - 1, d, k)``).  Removing a fixed
+set R of r clients disconnects H(k, n) only if two disjoint windows of k/2
+consecutive ring positions lie in R; a fixed pair of windows lies in R with
+probability ``C(r, k) / C(n, k)``, and there are fewer than ``C(n, 2)`` pairs.
+Union bounds over the n clients give the inequalities this module implements
+(exact rational arithmetic), with ``sigma = statistical_security`` and
+``eta = correctness``::
+
+    security    : n * P[Hyp(n-1, c, k) >= t] + C(n,2) * C(c+d, k) / C(n, k)  <=  2^-sigma
+    correctness : n * max(P[Hyp(n-1, d, k) >= k+2-t], P[Hyp(n-1, d-1, k) >= k+1-t])
+                  + C(n,2) * C(d, k) / C(n, k)                                <=  2^-eta
+    structure   : t >= 2 and 2 t > k + 1 (a strict majority of the holders)
+
+(in the correctness line the first term is a surviving owner, which answers for
+itself, the second a dropped one).  On the complete graph (k = n - 1) there is
+no randomness and both lines are exact: ``c < t <= n - d``.  The majority rule
+keeps honest holders from ever supplying both kinds of share of one client.
+:func:`secagg_plus_parameters` returns the smallest even k < n - 1 that admits a
+t (else the complete graph) and the middle of the admissible t interval;
+:class:`SecAggConfig` refuses any ``(neighbour_degree, threshold)`` that
+violates a line for its ``corrupted_fraction``, ``dropout_fraction``,
+``statistical_security`` and ``correctness`` (all four default to values that
+make every line trivially true -- no corruption, no dropout assumed -- so a
+caller must pass its assumptions).  Bell et al. state the conditions for their
+random graphs with Chernoff-style bounds; the bound above is computed for the
+Harary graph on a random ring that this module draws, and it is what is enforced.
 
 Messages and what the server sees
 ---------------------------------
@@ -46,23 +113,21 @@ Round 2 ``MaskedInput`` (client -> server): ``y_u = q_u + PRG(b_u) +
     ``Z_{2^k}^d`` whatever ``q_u`` is (tested: chi-square against uniform, and
     identical distributions when one client's input changes).
 Round 3 ``Unmasking`` (server -> clients -> server): the server announces the
-    survivors S (sent y) and the dropped D (shared keys, sent no y).  Each
-    responding client checks ``S ∩ D = ∅`` and that at least t of its holders
-    survived, then returns shares of ``b_u`` for u in S and shares of
-    ``s_sk_u`` for u in D — never both for one u.  The server reconstructs
-    ``b_u`` (u in S) and ``s_sk_u`` (u in D), removes the self masks of the
-    survivors and the pairwise masks between survivors and dropped clients;
-    pairwise masks between survivors cancel.  It learns ``sum_{u in S} q_u mod
-    2^k`` and nothing about an individual ``q_u``.
-Abort: fewer than t survivors (or, for one client, fewer than t responding
-holders) raises :class:`SecAggAbort` — the sum is refused, never approximated.
-So the sum is recovered exactly whenever at most ``n - t`` clients drop out
-(complete graph), at any stage after ShareKeys.
-
-This is the semi-honest protocol (no consistency-check round, no signatures):
-an actively malicious server is out of scope and noted as such.  The
-randomness of keys and self-mask seeds is ``os.urandom`` via ``cryptography``
-and deliberately unseedable; only the neighbour-graph permutation is seeded.
+    survivors S (sent y) and the dropped D (shared keys, sent no y).
+    Each client answers at most one request per round, and only if ``S ∩ D =
+    ∅``, it is in S, ``|S|`` is at least ``SecAggConfig.survivor_floor``, at
+    least t of its holders are in S and (SecAgg+) the survivors are connected
+    in the neighbour graph; it then returns shares of ``b_u`` for u in S and
+    shares of ``s_sk_u`` for u in D -- never both for one u.  The server
+    reconstructs ``b_u`` (u in S) and ``s_sk_u`` (u in D), removes the self
+    masks of the survivors and the pairwise masks between survivors and
+    dropped clients; pairwise masks between survivors cancel.  It learns
+    ``sum_{u in S} q_u mod 2^k`` and nothing about an individual ``q_u``.
+Abort: fewer than t survivors, a survivor set below the floor or disconnected,
+or fewer than t responding holders of one client raises :class:`SecAggAbort`
+-- the sum is refused, never approximated.  The randomness of keys and
+self-mask seeds is ``os.urandom`` via ``cryptography`` and deliberately
+unseedable; only the neighbour-graph permutation is seeded.
 """
 
 from __future__ import annotations
@@ -73,7 +138,8 @@ import struct
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from fractions import Fraction
+from typing import Any, NamedTuple
 
 import numpy as np
 from Crypto.Protocol.SecretSharing import Shamir
@@ -83,7 +149,7 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 __all__ = [
     "AdvertiseKeys",
@@ -93,6 +159,8 @@ __all__ = [
     "SecAggAbort",
     "SecAggClient",
     "SecAggConfig",
+    "SecAggPlusBounds",
+    "SecAggPlusParameters",
     "SecAggResult",
     "SecAggServer",
     "ShareKeys",
@@ -101,13 +169,199 @@ __all__ = [
     "harary_neighbours",
     "run_secure_aggregation",
     "secagg_plus_degree",
+    "secagg_plus_failure_bounds",
+    "secagg_plus_parameters",
 ]
 
 _ZERO_NONCE16 = b"\x00" * 16
+_INT64 = (-(2**63), 2**63 - 1)
 
 
 class SecAggAbort(RuntimeError):
-    """The round cannot finish safely (too few survivors or holders)."""
+    """The round cannot finish safely (too few survivors or holders, an unsafe request)."""
+
+
+# --------------------------------------------------------------------------
+# SecAgg+ parameters (Bell et al. 2020): the bounds of the module docstring
+# --------------------------------------------------------------------------
+
+
+def _count(fraction: float, n: int) -> int:
+    """``ceil(fraction * n)`` in exact decimal arithmetic (0.05 * 100 is 5, not 6)."""
+    return math.ceil(Fraction(repr(float(fraction))) * n)
+
+
+def _hyp_tails(population: int, successes: int, draws: int) -> list[int]:
+    """Integer numerators of ``P[Hyp >= x]`` for x = 0..draws+1 (denominator C(population, draws))."""
+    pmf = [0] * (draws + 1)
+    for j in range(max(0, draws - (population - successes)), min(successes, draws) + 1):
+        pmf[j] = math.comb(successes, j) * math.comb(population - successes, draws - j)
+    tails = [0] * (draws + 2)
+    for j in range(draws, -1, -1):
+        tails[j] = tails[j + 1] + pmf[j]
+    return tails
+
+
+def _disconnection(n: int, removed: int, degree: int) -> Fraction:
+    """Upper bound on P[H(degree, n) on a random ring minus a fixed set of ``removed`` nodes
+    is disconnected]: ``C(n, 2) C(removed, degree) / C(n, degree)``; 0 on the complete graph."""
+    if degree >= n - 1 or removed < degree:
+        return Fraction(0)
+    return Fraction(math.comb(n, 2) * math.comb(removed, degree), math.comb(n, degree))
+
+
+class _Bounds:
+    """Exact failure bounds for one (n, k, gamma, delta), as functions of t."""
+
+    def __init__(self, n: int, degree: int, corrupted: int, dropped: int) -> None:
+        self.n, self.k, self.c, self.d = n, min(degree, n - 1), corrupted, dropped
+        k = self.k
+        self.den = math.comb(n - 1, k)
+        self.tail_c = _hyp_tails(n - 1, min(corrupted, n - 1), k)
+        self.tail_d = _hyp_tails(n - 1, min(dropped, n - 1), k)
+        self.tail_d1 = _hyp_tails(n - 1, min(max(dropped - 1, 0), n - 1), k)
+        self.conn_sec = _disconnection(n, corrupted + dropped, k)
+        self.conn_cor = _disconnection(n, dropped, k)
+
+    def _tail(self, tails: list[int], x: int) -> int:
+        if x <= 0:
+            return tails[0]
+        return tails[x] if x < len(tails) else 0
+
+    def security(self, t: int) -> Fraction:
+        return Fraction(self.n * self._tail(self.tail_c, t), self.den) + self.conn_sec
+
+    def correctness(self, t: int) -> Fraction:
+        k = self.k
+        worst = self._tail(self.tail_d, k + 2 - t)
+        if self.d >= 1:
+            worst = max(worst, self._tail(self.tail_d1, k + 1 - t))
+        return Fraction(self.n * worst, self.den) + self.conn_cor
+
+
+class SecAggPlusParameters(NamedTuple):
+    """Neighbour degree k (``n - 1`` = complete graph) and Shamir threshold t."""
+
+    degree: int
+    threshold: int
+
+
+class SecAggPlusBounds(NamedTuple):
+    """Failure probabilities bounded by the module's inequalities (floats of exact values)."""
+
+    security: float
+    correctness: float
+
+
+def _check_assumptions(n_clients: int, corrupted_fraction: float, dropout_fraction: float,
+                       statistical_security: int, correctness: int) -> None:
+    if isinstance(n_clients, bool) or int(n_clients) != n_clients or n_clients < 2:
+        raise ValueError("n_clients: must be an integer >= 2")
+    for name, value in (("corrupted_fraction", corrupted_fraction),
+                        ("dropout_fraction", dropout_fraction)):
+        if not (isinstance(value, (int, float)) and 0.0 <= value < 1.0):
+            raise ValueError(f"{name}: must be a fraction in [0, 1), got {value!r}")
+    for name, value, hi in (("statistical_security", statistical_security, 256),
+                            ("correctness", correctness, 128)):
+        if isinstance(value, bool) or int(value) != value or not 1 <= value <= hi:
+            raise ValueError(f"{name}: must be an integer in [1, {hi}] (bits), got {value!r}")
+
+
+def secagg_plus_failure_bounds(
+    n_clients: int, degree: int, threshold: int, *, corrupted_fraction: float,
+    dropout_fraction: float,
+) -> SecAggPlusBounds:
+    """Evaluate the security and correctness lines of the module docstring.
+
+    Args:
+        n_clients: n.  degree: k (``>= n - 1`` = complete graph).  threshold: t.
+        corrupted_fraction, dropout_fraction: gamma, delta (c = ceil(gamma n),
+            d = ceil(delta n)).
+
+    Returns:
+        :class:`SecAggPlusBounds` ``(security, correctness)``: the left-hand sides.
+    """
+    _check_assumptions(n_clients, corrupted_fraction, dropout_fraction, 40, 20)
+    b = _Bounds(n_clients, degree, _count(corrupted_fraction, n_clients),
+                _count(dropout_fraction, n_clients))
+    return SecAggPlusBounds(float(b.security(threshold)), float(b.correctness(threshold)))
+
+
+_MAX_SPARSE_DEGREE = 1024
+
+
+def secagg_plus_parameters(
+    n_clients: int, *, corrupted_fraction: float, dropout_fraction: float,
+    statistical_security: int = 40, correctness: int = 20,
+) -> SecAggPlusParameters:
+    """SecAgg+ neighbour degree k and threshold t for n clients (Bell et al. 2020).
+
+    The smallest even ``k < n - 1`` for which some t satisfies the security line
+    (``<= 2^-statistical_security``), the correctness line (``<= 2^-correctness``)
+    and the structure rule of the module docstring; else the complete graph
+    (``k = n - 1``) with the exact rule ``c < t <= n - d``.  t is the middle of the
+    admissible interval (rounded up): margin both against more corruption and
+    against more dropouts than assumed.
+
+    Args:
+        n_clients: clients in the round (>= 2).
+        corrupted_fraction: gamma, assumed fraction of clients colluding with the server.
+        dropout_fraction: delta, fraction of clients that may drop out at any step.
+        statistical_security: sigma, bits (default 40).
+        correctness: eta, bits (default 20: the round aborts with probability
+            <= 2^-20 when at most ``ceil(delta n)`` clients drop out).
+
+    Returns:
+        :class:`SecAggPlusParameters` ``(degree, threshold)``; pass
+        ``neighbour_degree=None if degree >= n_clients - 1 else degree``.
+
+    Raises:
+        ValueError: arguments out of range, or no (k, t) in the safe region (the
+            message names the rule).
+    """
+    _check_assumptions(n_clients, corrupted_fraction, dropout_fraction, statistical_security,
+                       correctness)
+    n = int(n_clients)
+    c, d = _count(corrupted_fraction, n), _count(dropout_fraction, n)
+    sec_budget = Fraction(1, 2**int(statistical_security))
+    cor_budget = Fraction(1, 2**int(correctness))
+    # complete graph: exact rule c < t <= n - d with t > n / 2
+    lo_complete, hi_complete = max(2, n // 2 + 1, c + 1), n - d
+    if lo_complete > hi_complete:
+        raise ValueError(
+            f"corrupted_fraction={corrupted_fraction}, dropout_fraction={dropout_fraction}: no "
+            f"safe threshold for n_clients={n} (rule: some t with t >= 2, 2t > holders, "
+            f"t > ceil(corrupted_fraction*n) = {c} and t <= n - ceil(dropout_fraction*n) = "
+            f"{hi_complete} must exist, even on the complete graph; roughly "
+            f"dropout_fraction < 1/2 and corrupted_fraction + dropout_fraction < 1)")
+    # a sparse graph can only help when delta < 1/2 and gamma + delta < 1 (large-k limit)
+    if dropout_fraction < 0.5 and corrupted_fraction + dropout_fraction < 1.0:
+        for k in range(2, min(n - 2, _MAX_SPARSE_DEGREE) + 1, 2):
+            b = _Bounds(n, k, c, d)
+            if b.conn_sec > sec_budget or b.conn_cor > cor_budget:
+                continue
+            lo = max(2, (k + 1) // 2 + 1)
+            while lo <= k + 1 and b.security(lo) > sec_budget:
+                lo += 1
+            hi = k + 1
+            while hi >= lo and b.correctness(hi) > cor_budget:
+                hi -= 1
+            if lo <= hi:
+                return SecAggPlusParameters(k, (lo + hi + 1) // 2)
+    return SecAggPlusParameters(n - 1, (lo_complete + hi_complete + 1) // 2)
+
+
+def secagg_plus_degree(n_clients: int) -> int:
+    """Legacy degree ``d = 2 ceil(log2 n)``, capped below n - 1 (even).
+
+    No corruption or dropout assumption stands behind it: use
+    :func:`secagg_plus_parameters`.
+    """
+    if n_clients < 2:
+        raise ValueError("n_clients must be >= 2")
+    d = 2 * math.ceil(math.log2(n_clients))
+    cap = n_clients - 1 if (n_clients - 1) % 2 == 0 else n_clients - 2
+    return max(2, min(d, cap))
 
 
 # --------------------------------------------------------------------------
@@ -116,7 +370,7 @@ class SecAggAbort(RuntimeError):
 
 
 class SecAggConfig(BaseModel):
-    """Parameters of one secure-aggregation round.
+    """Parameters of one secure-aggregation round (sent to every client in round 0).
 
     Attributes:
         n_clients: clients selected for the round (>= 2).
@@ -124,9 +378,20 @@ class SecAggConfig(BaseModel):
         vector_length: d, values per client (e.g. 32).
         modulus_bits: k, arithmetic modulo 2^k (8..62).
         quantisation_levels: Q, integer levels per coordinate range.
-        neighbour_degree: None (complete graph) or even d < n_clients - 1 (SecAgg+).
+        neighbour_degree: None or ``>= n_clients - 1`` (complete graph), or an even
+            degree ``< n_clients - 1`` (SecAgg+ Harary graph).
         round_id: bound into every key derivation (a key is never reused across rounds).
-        graph_seed: seed of the neighbour-graph permutation.
+        graph_seed: seed of the ring permutation; draw it at random (``secrets.randbits(64)``).
+        corrupted_fraction, dropout_fraction: gamma, delta assumed by the caller; the
+            ``(neighbour_degree, threshold)`` pair must satisfy the module's security and
+            correctness lines for them (defaults 0: nothing assumed, only the
+            structure rule binds).
+        statistical_security, correctness: sigma, eta in bits (40, 20).
+        min_survivors: clients refuse to unmask a sum over fewer survivors (e.g. the
+            cohort floor); None = threshold.  See :attr:`survivor_floor`.
+        client_ids: the sorted ids of the round's clients, so that each client derives
+            the graph itself (required by clients for their checks on a SecAgg+ graph;
+            :func:`run_secure_aggregation` fills it in).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -138,19 +403,38 @@ class SecAggConfig(BaseModel):
     quantisation_levels: int = Field(default=2**16 - 1, ge=1)
     neighbour_degree: int | None = None
     round_id: str = Field(default="round-0", min_length=1)
-    graph_seed: int = 0
+    graph_seed: int = Field(default=0, ge=0)
+    corrupted_fraction: float = Field(default=0.0, ge=0.0, lt=1.0)
+    dropout_fraction: float = Field(default=0.0, ge=0.0, lt=1.0)
+    statistical_security: int = Field(default=40, ge=1, le=256)
+    correctness: int = Field(default=20, ge=1, le=128)
+    min_survivors: int | None = Field(default=None, ge=2)
+    client_ids: tuple[int, ...] | None = None
+
+    @field_validator("client_ids")
+    @classmethod
+    def _sorted_ids(cls, v: tuple[int, ...] | None) -> tuple[int, ...] | None:
+        if v is None:
+            return None
+        if len(set(v)) != len(v):
+            raise ValueError("client_ids: ids must be distinct")
+        if any(not _INT64[0] <= u <= _INT64[1] for u in v):
+            raise ValueError("client_ids: ids must fit in a signed 64-bit integer")
+        return tuple(sorted(v))
 
     @model_validator(mode="after")
     def _check(self) -> SecAggConfig:
-        if self.n_clients * self.quantisation_levels >= 2**self.modulus_bits:
+        n = self.n_clients
+        if n * self.quantisation_levels >= 2**self.modulus_bits:
             raise ValueError(
                 "overflow bound violated: n_clients * quantisation_levels must be < "
                 "2**modulus_bits"
             )
-        if self.neighbour_degree is not None:
-            d = self.neighbour_degree
-            if d < 2 or d % 2:
-                raise ValueError("neighbour_degree must be an even integer >= 2")
+        if self.neighbour_degree is not None and self.neighbour_degree < n - 1:
+            k = self.neighbour_degree
+            if k < 2 or k % 2:
+                raise ValueError("neighbour_degree must be an even integer >= 2 "
+                                 "(or >= n_clients - 1 for the complete graph)")
         holders = self.holders_per_client
         if self.threshold > holders:
             raise ValueError("threshold must not exceed the number of share holders per client")
@@ -158,7 +442,54 @@ class SecAggConfig(BaseModel):
             raise ValueError(
                 "threshold must be a strict majority of the share holders per client"
             )
+        if self.client_ids is not None and len(self.client_ids) != n:
+            raise ValueError("client_ids: must name exactly n_clients clients")
+        b = _Bounds(n, holders - 1, _count(self.corrupted_fraction, n),
+                    _count(self.dropout_fraction, n))
+        where = (f"n_clients={n}, neighbour_degree={holders - 1}, threshold={self.threshold}, "
+                 f"corrupted_fraction={self.corrupted_fraction}, "
+                 f"dropout_fraction={self.dropout_fraction}")
+        sec = b.security(self.threshold)
+        if sec > Fraction(1, 2**self.statistical_security):
+            raise ValueError(
+                f"threshold/neighbour_degree: outside the safe region ({where}): security "
+                f"failure bound {float(sec):.3g} > 2^-{self.statistical_security} (rule: "
+                "n*P[Hyp(n-1,c,k) >= t] + C(n,2)*C(c+d,k)/C(n,k) <= 2^-statistical_security); "
+                "use secagg_plus_parameters()")
+        cor = b.correctness(self.threshold)
+        if cor > Fraction(1, 2**self.correctness):
+            raise ValueError(
+                f"threshold/neighbour_degree: outside the safe region ({where}): correctness "
+                f"failure bound {float(cor):.3g} > 2^-{self.correctness} (rule: every client "
+                "needing reconstruction keeps >= t responding holders and the survivors stay "
+                "connected, with probability >= 1 - 2^-correctness); use secagg_plus_parameters()")
+        floor = self.survivor_floor
+        if floor > n - _count(self.dropout_fraction, n):
+            raise ValueError(
+                f"min_survivors: {floor} survivors cannot be guaranteed when "
+                f"ceil(dropout_fraction*n) = {_count(self.dropout_fraction, n)} of {n} clients "
+                "drop out (rule: max(threshold, min_survivors) <= n - ceil(dropout_fraction*n))")
         return self
+
+    @classmethod
+    def from_assumptions(
+        cls, n_clients: int, vector_length: int, *, corrupted_fraction: float,
+        dropout_fraction: float, statistical_security: int = 40, correctness: int = 20,
+        **kwargs: Any,
+    ) -> SecAggConfig:
+        """Config with ``(neighbour_degree, threshold)`` from :func:`secagg_plus_parameters`.
+
+        ``kwargs``: the other fields (``round_id``, ``graph_seed``, ``client_ids``,
+        ``min_survivors``, ``quantisation_levels``, ...).
+        """
+        k, t = secagg_plus_parameters(
+            n_clients, corrupted_fraction=corrupted_fraction, dropout_fraction=dropout_fraction,
+            statistical_security=statistical_security, correctness=correctness)
+        return cls(n_clients=n_clients, vector_length=vector_length, threshold=t,
+                   neighbour_degree=None if k >= n_clients - 1 else k,
+                   corrupted_fraction=corrupted_fraction, dropout_fraction=dropout_fraction,
+                   statistical_security=statistical_security, correctness=correctness,
+                   **kwargs)
 
     @property
     def complete_graph(self) -> bool:
@@ -172,17 +503,19 @@ class SecAggConfig(BaseModel):
         return int(self.neighbour_degree) + 1  # type: ignore[arg-type]
 
     @property
+    def survivor_floor(self) -> int:
+        """Fewest survivors a client agrees to unmask: ``max(threshold, min_survivors)``."""
+        return max(self.threshold, self.min_survivors or 0)
+
+    @property
     def modulus_mask(self) -> int:
         return (1 << self.modulus_bits) - 1
 
 
-def secagg_plus_degree(n_clients: int) -> int:
-    """SecAgg+ neighbour degree ``d = 2 ceil(log2 n)``, capped below n - 1 (even)."""
-    if n_clients < 2:
-        raise ValueError("n_clients must be >= 2")
-    d = 2 * math.ceil(math.log2(n_clients))
-    cap = n_clients - 1 if (n_clients - 1) % 2 == 0 else n_clients - 2
-    return max(2, min(d, cap))
+def _ring(ids: Sequence[int], seed: int) -> list[int]:
+    """Ring order of the clients: a seeded permutation of ``ids`` (in the order given)."""
+    ids = list(ids)
+    return [ids[i] for i in np.random.default_rng(seed).permutation(len(ids))]
 
 
 def harary_neighbours(ids: Sequence[int], degree: int | None, seed: int) -> dict[int, tuple[int, ...]]:
@@ -190,14 +523,14 @@ def harary_neighbours(ids: Sequence[int], degree: int | None, seed: int) -> dict
 
     ``degree=None`` or ``>= n - 1`` gives the complete graph.  Each client is
     linked to the ``degree / 2`` clients on either side of it on a randomly
-    permuted ring (Bell et al. 2020, §3.1 use a random k-regular graph; the
-    Harary construction is the standard way to get one with minimum degree).
+    permuted ring (Bell et al. 2020 use a random k-regular graph; the Harary
+    construction is the standard way to get one with minimum degree).
     """
     ids = list(ids)
     n = len(ids)
     if degree is None or degree >= n - 1:
         return {u: tuple(v for v in ids if v != u) for u in ids}
-    perm = [ids[i] for i in np.random.default_rng(seed).permutation(n)]
+    perm = _ring(ids, seed)
     half = degree // 2
     out: dict[int, set[int]] = {u: set() for u in ids}
     for i, u in enumerate(perm):
@@ -206,6 +539,21 @@ def harary_neighbours(ids: Sequence[int], degree: int | None, seed: int) -> dict
             out[u].add(v)
             out[v].add(u)
     return {u: tuple(sorted(vs)) for u, vs in out.items()}
+
+
+def _ring_connected(ring: Sequence[int], members: frozenset[int], degree: int) -> bool:
+    """Whether ``members`` induce a connected subgraph of H(degree, n) on ``ring``.
+
+    Two members are adjacent iff at most ``degree / 2`` ring steps apart, so the
+    induced graph is connected iff at most one cyclic gap between consecutive
+    members exceeds ``degree / 2`` steps.
+    """
+    n = len(ring)
+    pos = np.flatnonzero(np.fromiter((u in members for u in ring), dtype=bool, count=n))
+    if pos.size <= 1:
+        return True
+    gaps = np.diff(pos, append=pos[0] + n)
+    return int(np.count_nonzero(gaps > degree // 2)) <= 1
 
 
 class FixedPointQuantiser:
@@ -382,6 +730,34 @@ class SecAggClient:
         # owner -> (share index, b share, s share half a, s share half b)
         self._held: dict[int, tuple[int, bytes, bytes, bytes]] = {}
         self._sent_input = False
+        self._answered = False
+        self._ring_cache: tuple[list[int], dict[int, int]] | None = None
+
+    # the graph fixed by the config
+    def _ring(self) -> tuple[list[int], dict[int, int]]:
+        """Ring order of the config's clients and each client's ring position."""
+        if self._ring_cache is None:
+            if self.config.client_ids is None:
+                raise SecAggAbort("the config names no client_ids: this client cannot derive "
+                                  "the neighbour graph to check the server's requests")
+            ring = _ring(self.config.client_ids, self.config.graph_seed)
+            self._ring_cache = ring, {u: i for i, u in enumerate(ring)}
+        return self._ring_cache
+
+    def _graph_neighbours(self, u: int) -> tuple[int, ...] | None:
+        """Neighbours of ``u`` in the graph the config fixes (None: the config names no ids)."""
+        cfg = self.config
+        if cfg.client_ids is None:
+            return None
+        if cfg.complete_graph:
+            if u not in cfg.client_ids:
+                raise SecAggAbort("a client outside the config's client_ids")
+            return tuple(v for v in cfg.client_ids if v != u)
+        ring, pos = self._ring()
+        if u not in pos:
+            raise SecAggAbort("a client outside the config's client_ids")
+        n, half, i = len(ring), int(cfg.neighbour_degree) // 2, pos[u]  # type: ignore[arg-type]
+        return tuple(sorted({ring[(i + j) % n] for j in range(-half, half + 1) if j}))
 
     # Round 0
     def advertise(self) -> AdvertiseKeys:
@@ -398,11 +774,19 @@ class SecAggClient:
 
     # Round 1
     def share_keys(self, roster: Mapping[int, AdvertiseKeys], neighbours: Sequence[int]) -> ShareKeys:
-        """Shamir-share ``b_u`` and ``s_sk_u`` among neighbours + self; encrypt each share."""
+        """Shamir-share ``b_u`` and ``s_sk_u`` among neighbours + self; encrypt each share.
+
+        ``neighbours``: the server's list, checked against the graph the config fixes
+        (when the config names ``client_ids``).
+        """
         self._neighbours = tuple(sorted(int(v) for v in neighbours))
         self._roster = {int(k): v for k, v in roster.items()}
         if self.id in self._neighbours:
             raise ValueError("a client cannot be its own neighbour")
+        expected = self._graph_neighbours(self.id)
+        if expected is not None and self._neighbours != expected:
+            raise SecAggAbort("the server's neighbour list differs from the graph fixed by "
+                              "the config (client_ids, graph_seed)")
         if len({m.c_pk for m in self._roster.values()}) != len(self._roster):
             raise SecAggAbort("duplicate public keys in the roster")
         holders = sorted((*self._neighbours, self.id))
@@ -468,15 +852,37 @@ class SecAggClient:
 
     # Round 3
     def unmask(self, request: UnmaskingRequest) -> UnmaskingResponse:
-        """Reveal b-shares of survivors and key shares of dropped clients, never both."""
-        s, d = request.survivors, request.dropped
+        """Reveal b-shares of survivors and key shares of dropped clients, never both.
+
+        Answers at most one request per round (a second one, even identical, is
+        refused), and only a request under which the server learns one sum over
+        at least :attr:`SecAggConfig.survivor_floor` clients: ``S ∩ D = ∅``, this
+        client in S, at least t of its holders in S and, on a SecAgg+ graph, the
+        survivors connected in the graph fixed by the config.
+        """
+        if self._answered:
+            raise SecAggAbort("this client already received an unmasking request this round: "
+                              "it answers at most once per round")
+        self._answered = True
+        s, d = frozenset(request.survivors), frozenset(request.dropped)
+        cfg = self.config
         if s & d:
             raise SecAggAbort("a client is listed both as survivor and as dropped")
         if self.id not in s:
             raise SecAggAbort("only survivors take part in unmasking")
+        if cfg.client_ids is not None and not (s | d) <= set(cfg.client_ids):
+            raise SecAggAbort("the request names clients outside this round")
+        if len(s) < cfg.survivor_floor:
+            raise SecAggAbort(
+                f"only {len(s)} survivors: this client refuses to unmask a sum over fewer than "
+                f"{cfg.survivor_floor} clients")
         holders = set(self._neighbours) | {self.id}
-        if len(holders & s) < self.config.threshold:
+        if len(holders & s) < cfg.threshold:
             raise SecAggAbort("fewer survivors among this client's holders than the threshold")
+        if not cfg.complete_graph and not _ring_connected(
+                self._ring()[0], s, int(cfg.neighbour_degree)):  # type: ignore[arg-type]
+            raise SecAggAbort("the survivors are disconnected in the neighbour graph: the server "
+                              "could unmask the sum of each component separately")
         b_out: dict[int, tuple[int, bytes]] = {}
         k_out: dict[int, tuple[int, bytes, bytes]] = {}
         for owner, (idx, b_sh, sa, sb) in self._held.items():
@@ -499,6 +905,8 @@ class SecAggServer:
         ids = [int(c) for c in client_ids]
         if len(ids) != config.n_clients or len(set(ids)) != len(ids):
             raise ValueError("client_ids must be n_clients distinct integers")
+        if config.client_ids is not None and tuple(sorted(ids)) != config.client_ids:
+            raise ValueError("client_ids: must equal the config's client_ids")
         self.config = config
         self.ids = tuple(sorted(ids))
         self.neighbours = harary_neighbours(
@@ -532,7 +940,8 @@ class SecAggServer:
         return inbox
 
     def collect_masked_inputs(self, msgs: Sequence[MaskedInput]) -> UnmaskingRequest:
-        """Round 2: keeps masked vectors; aborts below t survivors."""
+        """Round 2: keeps masked vectors; aborts below t (or the floor of) survivors, or
+        when the survivors are disconnected in the neighbour graph."""
         d = self.config.vector_length
         self._masked = {}
         for m in msgs:
@@ -548,6 +957,15 @@ class SecAggServer:
                 f"only {len(survivors)} clients sent masked input; the threshold is "
                 f"{self.config.threshold}: the round is aborted and no sum is released"
             )
+        cfg = self.config
+        if len(survivors) < cfg.survivor_floor:
+            raise SecAggAbort(
+                f"only {len(survivors)} clients sent masked input; the survivor floor is "
+                f"{cfg.survivor_floor}: the round is aborted and no sum is released")
+        if not cfg.complete_graph and not _ring_connected(
+                _ring(self.ids, cfg.graph_seed), survivors, int(cfg.neighbour_degree)):  # type: ignore[arg-type]
+            raise SecAggAbort("the survivors are disconnected in the neighbour graph: the round "
+                              "is aborted (the clients would refuse to unmask)")
         self._request = UnmaskingRequest(survivors, frozenset(self._u1 - survivors))
         return self._request
 
@@ -633,7 +1051,8 @@ def run_secure_aggregation(
     Args:
         inputs: client id -> quantised uint64 vector ``(vector_length,)`` in [0, Q]
             (use :class:`FixedPointQuantiser` to produce them on the device).
-        config: round parameters (``n_clients == len(inputs)``).
+        config: round parameters (``n_clients == len(inputs)``); ``client_ids`` is
+            filled in from ``inputs`` when the config leaves it None.
         drop_before_share_keys / drop_before_masked_input / drop_before_unmasking:
             clients that go silent before that step.
         server_view: if given, filled with the masked vectors the server received.
@@ -642,9 +1061,12 @@ def run_secure_aggregation(
         :class:`SecAggResult` with per-phase client and server wall times.
 
     Raises:
-        SecAggAbort: fewer than t clients remain at any step.
+        SecAggAbort: fewer than t clients remain at any step, or a client refuses the
+            unmasking request.
     """
     ids = sorted(int(k) for k in inputs)
+    if config.client_ids is None:
+        config = SecAggConfig.model_validate({**config.model_dump(), "client_ids": tuple(ids)})
     t0 = time.perf_counter
     cs: dict[str, float] = {}
     ss: dict[str, float] = {}

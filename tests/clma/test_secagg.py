@@ -204,8 +204,8 @@ def test_quantiser_bounds_and_device_reports_end_to_end():
 # ---------------------------------------------------------------- issue 21, item 6
 
 
-def _drive_to_unmasking(inputs, cfg, silent_before_masked_input=()):
-    """Run rounds 0-2 with explicit messages; returns (server, clients, request)."""
+def _drive_to_masked_input(inputs, cfg, silent_before_masked_input=()):
+    """Run rounds 0-2 with explicit messages; returns (server, clients, masked inputs)."""
     ids = sorted(inputs)
     server = secagg.SecAggServer(cfg, ids)
     clients = {u: SecAggClient(u, cfg) for u in ids}
@@ -214,9 +214,14 @@ def _drive_to_unmasking(inputs, cfg, silent_before_masked_input=()):
     for u, box in server.route_shares(share_msgs).items():
         clients[u].receive_shares(box)
     gone = set(silent_before_masked_input)
-    request = server.collect_masked_inputs(
-        [clients[u].masked_input(inputs[u]) for u in ids if u not in gone])
-    return server, clients, request
+    masked = [clients[u].masked_input(inputs[u]) for u in ids if u not in gone]
+    return server, clients, masked
+
+
+def _drive_to_unmasking(inputs, cfg, silent_before_masked_input=()):
+    """Run rounds 0-2 with explicit messages; returns (server, clients, request)."""
+    server, clients, masked = _drive_to_masked_input(inputs, cfg, silent_before_masked_input)
+    return server, clients, server.collect_masked_inputs(masked)
 
 
 def _harary_ring(ids, seed):
@@ -232,7 +237,7 @@ def _component_attack(n=40, seed=1):
     holders = d + 1
     t = max(2, holders // 2 + 1, int(np.ceil(0.51 * holders)))  # tasks/evaluate.py's rule: 7
     cfg = SecAggConfig(n_clients=n, threshold=t, vector_length=32, neighbour_degree=d,
-                       graph_seed=seed)
+                       graph_seed=seed, client_ids=tuple(range(n)))
     ring = _harary_ring(list(range(n)), seed)
     half = d // 2
     block1, arc_a = ring[:half], ring[half:half + 14]
@@ -243,28 +248,27 @@ def _component_attack(n=40, seed=1):
     return cfg, arc_a, arc_b, block1 + block2
 
 
-@pytest.mark.xfail(strict=True, reason="issue 21 item 6: every client answers today")
 def test_partition_attack_on_harary_ring_is_refused_by_every_client():
     cfg, arc_a, arc_b, blocks = _component_attack()
     inputs = _inputs(cfg.n_clients, seed=5)
-    _, clients, request = _drive_to_unmasking(inputs, cfg, silent_before_masked_input=blocks)
-    assert request.survivors == frozenset(arc_a + arc_b)
-    # each client's local check (>= t of its holders survived) passes ...
+    server, clients, masked = _drive_to_masked_input(inputs, cfg, blocks)
+    # this module's (semi-honest) server does not even send the request ...
+    with pytest.raises(SecAggAbort, match="disconnected"):
+        server.collect_masked_inputs(masked)
+    # ... and a server that does (survivors A + B, the two blocks dropped) is refused
+    request = UnmaskingRequest(frozenset(arc_a + arc_b), frozenset(blocks))
+    # by every client, although each one's local check (>= t of its holders survived) passes
     nb = harary_neighbours(list(range(cfg.n_clients)), cfg.neighbour_degree, cfg.graph_seed)
     assert all(len((set(nb[u]) | {u}) & request.survivors) >= cfg.threshold
                for u in request.survivors)
-    # ... yet the survivors' graph has two components, whose sums the server could
-    # unmask separately: every client must refuse
     refused = 0
     for u in sorted(request.survivors):
-        try:
+        with pytest.raises(SecAggAbort, match="disconnected"):
             clients[u].unmask(request)
-        except SecAggAbort:
-            refused += 1
-    assert refused == len(request.survivors)
+        refused += 1
+    assert refused == 28
 
 
-@pytest.mark.xfail(strict=True, reason="issue 21 item 6: a second request is answered today")
 def test_client_answers_the_unmasking_request_at_most_once():
     cfg = SecAggConfig(n_clients=5, threshold=3, vector_length=32)
     inputs = _inputs(5, seed=6)
@@ -275,3 +279,158 @@ def test_client_answers_the_unmasking_request_at_most_once():
         clients[0].unmask(contradictory)
     with pytest.raises(SecAggAbort, match="once"):
         clients[0].unmask(request)
+
+
+
+# ---------------------------------------------------------------- SecAgg+ parameters
+
+
+@pytest.mark.parametrize(("n", "gamma", "delta", "expected"), [
+    (100, 0.05, 0.05, (12, 8)),
+    (1000, 0.05, 0.05, (28, 17)),
+    (10_000, 0.05, 0.05, (34, 20)),
+    (10_000, 0.10, 0.10, (54, 31)),
+    (6, 0.17, 0.17, (5, 4)),  # no sparse graph works: the complete graph, c=2 < t <= n-d=4
+])
+def test_secagg_plus_parameters_are_the_smallest_safe_degree(n, gamma, delta, expected):
+    k, t = secagg.secagg_plus_parameters(n, corrupted_fraction=gamma, dropout_fraction=delta)
+    assert (k, t) == expected
+    sec, cor = secagg.secagg_plus_failure_bounds(n, k, t, corrupted_fraction=gamma,
+                                                 dropout_fraction=delta)
+    assert sec <= 2.0**-40 and cor <= 2.0**-20 and 2 * t > k + 1
+    if k < n - 1 and k > 2:  # minimal: no threshold works one even degree lower
+        for t2 in range(2, k):
+            s2, c2 = secagg.secagg_plus_failure_bounds(n, k - 2, t2, corrupted_fraction=gamma,
+                                                       dropout_fraction=delta)
+            assert not (s2 <= 2.0**-40 and c2 <= 2.0**-20 and 2 * t2 > k - 1)
+    # the config built from the same assumptions is accepted
+    cfg = SecAggConfig.from_assumptions(n, 4, corrupted_fraction=gamma, dropout_fraction=delta,
+                                        quantisation_levels=255)
+    assert cfg.threshold == t and cfg.holders_per_client == k + 1
+
+
+def test_failure_bounds_are_the_documented_inequalities():
+    from scipy.stats import hypergeom
+
+    n, k, t = 100, 12, 8  # c = 5 corrupted, d = 5 dropped
+    sec, cor = secagg.secagg_plus_failure_bounds(n, k, t, corrupted_fraction=0.05,
+                                                 dropout_fraction=0.05)
+    # C(c + d, k) = C(10, 12) = 0: no disconnection term
+    assert sec == pytest.approx(n * hypergeom.sf(t - 1, n - 1, 5, k), rel=1e-9)
+    assert cor == pytest.approx(n * max(hypergeom.sf(k + 2 - t - 1, n - 1, 5, k),
+                                        hypergeom.sf(k + 1 - t - 1, n - 1, 4, k)), rel=1e-9)
+    # with 30 % dropped, the disconnection term C(n,2) C(c+d,k) / C(n,k) appears
+    from math import comb
+    sec2, _ = secagg.secagg_plus_failure_bounds(n, k, t, corrupted_fraction=0.05,
+                                                dropout_fraction=0.30)
+    expect = n * hypergeom.sf(t - 1, n - 1, 5, k) + comb(n, 2) * comb(35, k) / comb(n, k)
+    assert sec2 == pytest.approx(expect, rel=1e-9)
+    # complete graph: exact, c < t <= n - d
+    assert secagg.secagg_plus_failure_bounds(10, 9, 6, corrupted_fraction=0.5,
+                                             dropout_fraction=0.0).security == 0.0
+    assert secagg.secagg_plus_failure_bounds(10, 9, 5, corrupted_fraction=0.5,
+                                             dropout_fraction=0.0).security == 10.0
+    assert secagg.secagg_plus_failure_bounds(10, 9, 8, corrupted_fraction=0.0,
+                                             dropout_fraction=0.2).correctness == 0.0
+    assert secagg.secagg_plus_failure_bounds(10, 9, 9, corrupted_fraction=0.0,
+                                             dropout_fraction=0.2).correctness == 10.0
+
+
+def _bfs_connected(nb, members):
+    members = set(members)
+    if not members:
+        return True
+    start = next(iter(members))
+    seen, todo = {start}, [start]
+    while todo:
+        u = todo.pop()
+        for v in nb[u]:
+            if v in members and v not in seen:
+                seen.add(v)
+                todo.append(v)
+    return seen == members
+
+
+@pytest.mark.parametrize(("n", "k", "r"), [(16, 4, 5), (18, 4, 4), (14, 6, 7)])
+def test_disconnection_bound_holds_exactly_on_small_rings(n, k, r):
+    """P[H(k, n) minus r random nodes is disconnected], by enumerating every removed set
+    on one ring (a random ring and a fixed set are the same experiment), is at most the
+    bound C(n,2) C(r,k) / C(n,k) -- and not zero, so the check can fail."""
+    from itertools import combinations
+    from math import comb
+
+    nb = harary_neighbours(list(range(n)), k, seed=0)
+    bad = sum(1 for removed in combinations(range(n), r)
+              if not _bfs_connected(nb, set(range(n)) - set(removed)))
+    exact = bad / comb(n, r)
+    bound = comb(n, 2) * comb(r, k) / comb(n, k)
+    assert 0 < exact <= bound
+
+
+def test_ring_gap_rule_matches_breadth_first_search():
+    rng = np.random.default_rng(11)
+    for n, k in [(20, 4), (33, 6), (50, 10)]:
+        ids = list(range(n))
+        nb = harary_neighbours(ids, k, seed=7)
+        ring = secagg._ring(ids, 7)
+        for _ in range(300):
+            members = frozenset(int(u) for u in np.flatnonzero(rng.random(n) < rng.random()))
+            assert secagg._ring_connected(ring, members, k) == _bfs_connected(nb, members)
+
+
+def test_parameters_outside_the_safe_region_are_refused():
+    with pytest.raises(ValueError, match=r"dropout_fraction=0\.5.*corrupted_fraction \+ "
+                                         r"dropout_fraction < 1"):
+        secagg.secagg_plus_parameters(100, corrupted_fraction=0.3, dropout_fraction=0.5)
+    with pytest.raises(ValueError, match=r"corrupted_fraction: must be a fraction in \[0, 1\)"):
+        secagg.secagg_plus_parameters(100, corrupted_fraction=1.0, dropout_fraction=0.1)
+    with pytest.raises(ValueError, match="statistical_security: must be an integer"):
+        secagg.secagg_plus_parameters(100, corrupted_fraction=0.1, dropout_fraction=0.1,
+                                      statistical_security=0)
+    # the review's configuration (t = 7 of 13 holders, degree 12, 40 clients) is refused
+    # once 20 % corrupted clients are assumed ...
+    with pytest.raises(ValueError, match=r"threshold/neighbour_degree: outside the safe region"
+                                         r".*corrupted_fraction=0\.2.*security failure bound"):
+        SecAggConfig(n_clients=40, threshold=7, vector_length=4, neighbour_degree=12,
+                     corrupted_fraction=0.2)
+    # ... and a threshold the dropouts would defeat is refused for lack of correctness
+    with pytest.raises(ValueError, match=r"correctness failure bound .* > 2\^-20"):
+        SecAggConfig(n_clients=40, threshold=12, vector_length=4, neighbour_degree=12,
+                     dropout_fraction=0.1)
+    with pytest.raises(ValueError, match=r"min_survivors: 38 survivors cannot be guaranteed"):
+        SecAggConfig(n_clients=40, threshold=7, vector_length=4, neighbour_degree=12,
+                     dropout_fraction=0.1, min_survivors=38)
+
+
+# ---------------------------------------------------------------- client checks
+
+
+def test_client_refuses_a_neighbour_list_other_than_the_configs_graph():
+    n = 20
+    cfg = SecAggConfig.from_assumptions(n, 4, corrupted_fraction=0.05, dropout_fraction=0.05,
+                                        quantisation_levels=255, graph_seed=3,
+                                        client_ids=tuple(range(n)))
+    assert not cfg.complete_graph
+    server = secagg.SecAggServer(cfg, range(n))
+    clients = {u: SecAggClient(u, cfg) for u in range(n)}
+    rosters = server.collect_advertisements([c.advertise() for c in clients.values()])
+    clients[0].share_keys(rosters[0], server.neighbours[0])  # the graph's own list is fine
+    other = harary_neighbours(list(range(n)), cfg.neighbour_degree, seed=4)[1]
+    with pytest.raises(SecAggAbort, match="differs from the graph fixed by the config"):
+        clients[1].share_keys({v: rosters[1].get(v, clients[v].advertise()) for v in other},
+                              other)
+
+
+def test_clients_refuse_a_sum_below_the_survivor_floor():
+    n = 7
+    cfg = SecAggConfig(n_clients=n, threshold=4, vector_length=32, min_survivors=6)
+    assert cfg.survivor_floor == 6
+    inputs = _inputs(n, seed=8)
+    with pytest.raises(SecAggAbort, match="survivor floor is 6"):
+        run_secure_aggregation(inputs, cfg, drop_before_masked_input=[0, 1])
+    _, clients, masked = _drive_to_masked_input(inputs, cfg, [0, 1])
+    with pytest.raises(SecAggAbort, match="fewer than 6 clients"):
+        clients[2].unmask(UnmaskingRequest(frozenset(range(2, 7)), frozenset({0, 1})))
+    res = run_secure_aggregation(inputs, cfg, drop_before_masked_input=[0])
+    np.testing.assert_array_equal(res.sum_quantised, _plain_sum(inputs, range(1, 7)))
+
