@@ -2,9 +2,11 @@
 
 The server learns the SUM over the surviving clients of their clipped,
 quantised metric vectors, and nothing else about any single vector.  Only the
-protocol is written here; the primitives come from ``cryptography`` (X25519
-key agreement, HKDF-SHA256, AES-CTR as the mask PRG, AES-GCM for shares in
-transit) and ``pycryptodome`` (Shamir secret sharing over GF(2^128)).
+protocol is written here; the cryptographic primitives come from
+``cryptography`` (X25519 key agreement, HKDF-SHA256, AES-CTR as the mask PRG,
+AES-GCM for shares in transit, SHA-256 for commitments).  Shamir secret sharing
+is the textbook scheme over the prime field GF(p), ``p = 2^130 - 5``, written
+here (:func:`shamir_split`, :func:`shamir_reconstruct`).
 
 Threat model
 ------------
@@ -15,7 +17,13 @@ Threat model
   ground against chosen victims) needs the consistency-check round with
   signatures of Bonawitz et al. §4 / Bell et al. §4, which is not implemented.
 * Clients: up to a fraction ``corrupted_fraction`` (gamma) of them may collude
-  with the server (they hand over their secrets).
+  with the server (they hand over their secrets); any client may be hostile
+  towards the round (malformed or contradictory messages) -- the server
+  validates every message and treats a client whose contribution is malformed
+  as a dropout (``SecAggResult.rejected``), never aborting the round for it.
+  A hostile client cannot be stopped from adding an arbitrary value mod 2^k to
+  the sum: masked words are uniform, so an input's range cannot be checked
+  without zero-knowledge proofs (out of scope).
 * Dropouts: up to a fraction ``dropout_fraction`` (delta) of the clients go
   silent at any step; the bounds below assume the dropped and the corrupted
   clients do not depend on the neighbour graph (they are fixed before the graph
@@ -99,13 +107,16 @@ Messages and what the server sees
 ---------------------------------
 Round 0 ``AdvertiseKeys`` (client -> server -> neighbours): two X25519 public
     keys per client: ``c_pk`` (share encryption) and ``s_pk`` (pairwise
-    masks).  The server sees public keys only.
+    masks).  The server sees public keys only; it rejects wrong lengths,
+    low-order points and keys used twice.
 Round 1 ``ShareKeys`` (client -> server -> recipients): client u draws a
     16-byte self-mask seed ``b_u`` and Shamir-shares it and its 32-byte mask
     private key ``s_sk_u`` (as two 16-byte halves) with threshold t among its
-    holders.  Each share is AES-GCM encrypted under
+    holders, and commits to ``b_u`` with ``SHA-256("clma-secagg|b-commitment|"
+    round_id "|" u "|" b_u)``.  Each share is AES-GCM encrypted under
     ``HKDF(X25519(c_sk_u, c_pk_v))``.  The server routes ciphertexts and sees
-    only who sends to whom and their (fixed) length.
+    who sends to whom, their fixed length and the commitment (which hides the
+    128-bit random ``b_u``).
 Round 2 ``MaskedInput`` (client -> server): ``y_u = q_u + PRG(b_u) +
     sum_{v in N(u), u<v} PRG(s_uv) - sum_{v in N(u), v<u} PRG(s_uv) mod 2^k``
     with ``s_uv = HKDF(X25519(s_sk_u, s_pk_v))`` and PRG = AES-CTR keystream.
@@ -113,36 +124,41 @@ Round 2 ``MaskedInput`` (client -> server): ``y_u = q_u + PRG(b_u) +
     ``Z_{2^k}^d`` whatever ``q_u`` is (tested: chi-square against uniform, and
     identical distributions when one client's input changes).
 Round 3 ``Unmasking`` (server -> clients -> server): the server announces the
-    survivors S (sent y) and the dropped D (shared keys, sent no y).
+    survivors S (sent a valid y) and the dropped D (shared keys, no valid y).
     Each client answers at most one request per round, and only if ``S ∩ D =
     ∅``, it is in S, ``|S|`` is at least ``SecAggConfig.survivor_floor``, at
     least t of its holders are in S and (SecAgg+) the survivors are connected
     in the neighbour graph; it then returns shares of ``b_u`` for u in S and
     shares of ``s_sk_u`` for u in D -- never both for one u.  The server
-    reconstructs ``b_u`` (u in S) and ``s_sk_u`` (u in D), removes the self
+    reconstructs ``b_u`` (u in S; checked against the commitment) and
+    ``s_sk_u`` (u in D; checked against ``s_pk_u``), decoding around bad shares
+    (Berlekamp-Welch) when the first t shares do not check, removes the self
     masks of the survivors and the pairwise masks between survivors and
     dropped clients; pairwise masks between survivors cancel.  It learns
     ``sum_{u in S} q_u mod 2^k`` and nothing about an individual ``q_u``.
 Abort: fewer than t survivors, a survivor set below the floor or disconnected,
-or fewer than t responding holders of one client raises :class:`SecAggAbort`
--- the sum is refused, never approximated.  The randomness of keys and
-self-mask seeds is ``os.urandom`` via ``cryptography`` and deliberately
+fewer than t responding holders of one client, or no consistent set of t
+shares for one client raises :class:`SecAggAbort` -- the sum is refused, never
+approximated.  The randomness of keys, self-mask seeds and sharing polynomials
+is ``os.urandom`` (via ``cryptography`` and :mod:`secrets`) and deliberately
 unseedable; only the neighbour-graph permutation is seeded.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 import os
+import secrets
 import struct
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
+from functools import lru_cache
 from typing import Any, NamedTuple
 
 import numpy as np
-from Crypto.Protocol.SecretSharing import Shamir
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
@@ -152,6 +168,7 @@ from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 __all__ = [
+    "SHAMIR_PRIME",
     "AdvertiseKeys",
     "EncryptedShare",
     "FixedPointQuantiser",
@@ -171,10 +188,33 @@ __all__ = [
     "secagg_plus_degree",
     "secagg_plus_failure_bounds",
     "secagg_plus_parameters",
+    "self_mask_commitment",
+    "shamir_reconstruct",
+    "shamir_split",
 ]
 
 _ZERO_NONCE16 = b"\x00" * 16
+
+#: The Shamir field GF(p), p = 2^130 - 5 (prime; holds any 128-bit chunk).
+SHAMIR_PRIME = (1 << 130) - 5
+_SHARE_BYTES = 17  # ceil(130 / 8)
+_HEADER = struct.Struct("<qqI")  # owner, recipient, share index
+_PAYLOAD_BYTES = _HEADER.size + 3 * _SHARE_BYTES
+_CIPHERTEXT_BYTES = _PAYLOAD_BYTES + 16  # AES-GCM tag
+_COMMITMENT_BYTES = 32
 _INT64 = (-(2**63), 2**63 - 1)
+
+# X25519 public keys of small order (libsodium's blacklist; X25519 ignores the top bit):
+# an exchange with one of them yields the all-zero secret.
+_LOW_ORDER_POINTS = frozenset(bytes.fromhex(h) for h in (
+    "0000000000000000000000000000000000000000000000000000000000000000",
+    "0100000000000000000000000000000000000000000000000000000000000000",
+    "e0eb7a7c3b41b8ae1656e3faf19fc46ada098deb9c32b1fd866205165f49b800",
+    "5f9c95bca3508c24b1d0b1559c83ef5b04445cc4581c8e86d8224eddd09f1157",
+    "ecffffffffffffffffffffffffffffffffffffffffffffffffffffffffffff7f",
+    "edffffffffffffffffffffffffffffffffffffffffffffffffffffffffffff7f",
+    "eeffffffffffffffffffffffffffffffffffffffffffffffffffffffffffff7f",
+))
 
 
 class SecAggAbort(RuntimeError):
@@ -603,6 +643,145 @@ class FixedPointQuantiser:
 
 
 # --------------------------------------------------------------------------
+# Shamir secret sharing over GF(2^130 - 5) (the textbook scheme)
+# --------------------------------------------------------------------------
+
+
+def shamir_split(secret: int, threshold: int, xs: Sequence[int]) -> list[int]:
+    """Shares ``f(x)`` for x in ``xs`` of a uniformly random polynomial f over
+    GF(SHAMIR_PRIME) of degree ``threshold - 1`` with ``f(0) = secret``.
+
+    Any ``threshold`` shares determine the secret; fewer are independent of it.
+    """
+    p = SHAMIR_PRIME
+    if not 0 <= secret < p:
+        raise ValueError("secret: must be an integer in [0, SHAMIR_PRIME)")
+    if threshold < 1 or len(xs) < threshold:
+        raise ValueError("threshold: need 1 <= threshold <= number of shares")
+    if len(set(xs)) != len(xs) or any(not 0 < x < p for x in xs):
+        raise ValueError("xs: share points must be distinct and nonzero")
+    coeffs = [secrets.randbelow(p) for _ in range(threshold - 1)][::-1] + [secret]
+    out = []
+    for x in xs:
+        acc = 0
+        for c in coeffs:  # Horner, highest degree first
+            acc = (acc * x + c) % p
+        out.append(acc)
+    return out
+
+
+@lru_cache(maxsize=8192)
+def _lagrange_at_zero(xs: tuple[int, ...]) -> tuple[int, ...]:
+    """Lagrange coefficients l_i with ``f(0) = sum_i l_i f(x_i)`` for deg f < len(xs)."""
+    p = SHAMIR_PRIME
+    out = []
+    for i, xi in enumerate(xs):
+        num = den = 1
+        for j, xj in enumerate(xs):
+            if j != i:
+                num = num * xj % p
+                den = den * (xj - xi) % p
+        out.append(num * pow(den, -1, p) % p)
+    return tuple(out)
+
+
+def shamir_reconstruct(points: Sequence[tuple[int, int]]) -> int:
+    """``f(0)`` from exactly ``threshold`` shares ``(x, f(x))`` (Lagrange interpolation)."""
+    xs = tuple(int(x) for x, _ in points)
+    if len(set(xs)) != len(xs) or any(not 0 < x < SHAMIR_PRIME for x in xs):
+        raise ValueError("points: share points must be distinct and nonzero")
+    lam = _lagrange_at_zero(xs)
+    return sum(la * int(y) for la, (_, y) in zip(lam, points, strict=True)) % SHAMIR_PRIME
+
+
+def _solve_mod_p(rows: list[list[int]], n_unknowns: int) -> list[int] | None:
+    """One solution of a linear system over GF(p) (augmented rows), free unknowns 0."""
+    p = SHAMIR_PRIME
+    a = [r[:] for r in rows]
+    pivots: list[int] = []
+    r = 0
+    for col in range(n_unknowns):
+        piv = next((i for i in range(r, len(a)) if a[i][col] % p), None)
+        if piv is None:
+            continue
+        a[r], a[piv] = a[piv], a[r]
+        inv = pow(a[r][col], -1, p)
+        a[r] = [v * inv % p for v in a[r]]
+        for i in range(len(a)):
+            if i != r and a[i][col]:
+                f = a[i][col]
+                a[i] = [(v - f * w) % p for v, w in zip(a[i], a[r], strict=True)]
+        pivots.append(col)
+        r += 1
+    if any(row[-1] % p for row in a[r:]):
+        return None
+    sol = [0] * n_unknowns
+    for i, col in enumerate(pivots):
+        sol[col] = a[i][-1]
+    return sol
+
+
+def _poly_eval(coeffs: Sequence[int], x: int) -> int:
+    acc = 0
+    for c in reversed(coeffs):  # coeffs lowest degree first
+        acc = (acc * x + c) % SHAMIR_PRIME
+    return acc
+
+
+def _poly_through(points: Sequence[tuple[int, int]]) -> list[int]:
+    """Coefficients (lowest degree first) of the polynomial of degree < len(points)
+    through the points (distinct nonzero x)."""
+    p = SHAMIR_PRIME
+    rows = [[pow(x, i, p) for i in range(len(points))] + [y % p] for x, y in points]
+    sol = _solve_mod_p(rows, len(points))
+    assert sol is not None  # a Vandermonde system with distinct points is regular
+    return sol
+
+
+def _berlekamp_welch(points: Sequence[tuple[int, int]], threshold: int) -> list[int] | None:
+    """The polynomial (lowest degree first) of degree < ``threshold`` through all but at
+    most ``(m - threshold) // 2`` of the m points (Reed-Solomon decoding), or None."""
+    p = SHAMIR_PRIME
+    m = len(points)
+    e = (m - threshold) // 2
+    if e < 1:
+        return None
+    nq = threshold + e
+    rows = []
+    for x, y in points:
+        powers = [pow(x, i, p) for i in range(nq)]
+        rows.append(powers + [(-y * powers[i]) % p for i in range(e)] + [y * pow(x, e, p) % p])
+    sol = _solve_mod_p(rows, nq + e)
+    if sol is None:
+        return None
+    q, err = sol[:nq], sol[nq:] + [1]  # E monic of degree e
+    quotient = [0] * (nq - e)
+    rem = q[:]
+    for i in range(nq - 1, e - 1, -1):  # long division by the monic E
+        coef = rem[i]
+        quotient[i - e] = coef
+        if coef:
+            for j in range(e + 1):
+                rem[i - e + j] = (rem[i - e + j] - coef * err[j]) % p
+    if any(rem[:e]) or any(quotient[threshold:]):
+        return None
+    poly = quotient[:threshold]
+    agree = sum(1 for x, y in points if _poly_eval(poly, x) == y % p)
+    return poly if agree >= m - e else None
+
+
+def _to_share(v: int) -> bytes:
+    return v.to_bytes(_SHARE_BYTES, "little")
+
+
+def _from_share(b: Any) -> int | None:
+    if not isinstance(b, (bytes, bytearray)) or len(b) != _SHARE_BYTES:
+        return None
+    v = int.from_bytes(b, "little")
+    return v if v < SHAMIR_PRIME else None
+
+
+# --------------------------------------------------------------------------
 # primitives (thin wrappers; all cryptography from the libraries)
 # --------------------------------------------------------------------------
 
@@ -625,6 +804,17 @@ def prg_words(seed: bytes, d: int, modulus_mask: int) -> np.ndarray:
 def _pair_info(kind: str, round_id: str, u: int, v: int) -> bytes:
     a, b = (u, v) if u < v else (v, u)
     return f"clma-secagg|{kind}|{round_id}|{a}|{b}".encode()
+
+
+def self_mask_commitment(round_id: str, client_id: int, b: bytes) -> bytes:
+    """``SHA-256("clma-secagg|b-commitment|" round_id "|" u "|" b_u)`` (32 bytes)."""
+    h = hashes.Hash(hashes.SHA256())
+    h.update(f"clma-secagg|b-commitment|{round_id}|{client_id}|".encode() + b)
+    return h.finalize()
+
+
+def _low_order(pk: bytes) -> bool:
+    return (pk[:31] + bytes([pk[31] & 0x7F])) in _LOW_ORDER_POINTS
 
 
 # --------------------------------------------------------------------------
@@ -652,18 +842,25 @@ class EncryptedShare:
 
 @dataclass(frozen=True, slots=True)
 class ShareKeys:
-    """Round 1: all encrypted shares of one client."""
+    """Round 1: all encrypted shares of one client and its commitment to ``b_u``.
+
+    ``b_commitment``: :func:`self_mask_commitment` of the client's self-mask seed (32 bytes);
+    ``b""`` (a message from a codec that does not carry it yet) leaves the
+    reconstruction of that client's ``b_u`` unverified.
+    """
 
     client_id: int
     shares: tuple[EncryptedShare, ...]
+    b_commitment: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)
 class MaskedInput:
-    """Round 2: masked vector, uint64 ``(d,)`` with values in ``[0, 2^k)``."""
+    """Round 2: masked vector, ``(d,)`` integers in ``[0, 2^k)`` (uint64 from honest clients;
+    the server accepts any integer array-like and range-checks it)."""
 
     client_id: int
-    masked: np.ndarray
+    masked: Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -678,8 +875,9 @@ class UnmaskingRequest:
 class UnmaskingResponse:
     """Round 3 (client -> server): shares of b_u (u in S) and s_sk_u (u in D).
 
-    ``self_mask_shares[u] = (index, 16 bytes)``;
-    ``key_shares[u] = (index, 16 bytes, 16 bytes)``.
+    ``self_mask_shares[u] = (index, 17 bytes)``;
+    ``key_shares[u] = (index, 17 bytes, 17 bytes)`` (the two 16-byte key halves);
+    shares are little-endian elements of GF(2^130 - 5).
     """
 
     client_id: int
@@ -694,12 +892,18 @@ class SecAggResult:
     Attributes:
         sum_quantised: uint64 ``(d,)``, exact sum over survivors of quantised inputs.
         contributors: number of survivors whose input is in the sum.
-        survivors, dropped: client ids.
+        survivors, dropped: client ids (dropped: shared keys, but no valid masked input).
         client_seconds, server_seconds: wall time spent in client and server code
             (filled by :func:`run_secure_aggregation`), per phase.  Server phase
             ``unmasking`` splits into ``unmasking.self_masks`` (reconstructing
             survivors' self masks) and ``unmasking.dropout_recovery``
             (reconstructing dropped clients' keys and removing their pairwise masks).
+        rejected: client id -> reason, for every client whose message the server
+            refused (``"<step>: <rule>"``).  Refused before or at its masked input, the
+            client is a dropout (absent, or in ``dropped``); refused at unmasking (a
+            malformed response, or shares inconsistent with the verified secret), its
+            response is ignored -- its own input is in the sum like that of any
+            survivor that goes silent before unmasking.
     """
 
     sum_quantised: np.ndarray
@@ -708,6 +912,7 @@ class SecAggResult:
     dropped: tuple[int, ...]
     client_seconds: dict[str, float] = field(default_factory=dict)
     server_seconds: dict[str, float] = field(default_factory=dict)
+    rejected: dict[int, str] = field(default_factory=dict)
 
 
 # --------------------------------------------------------------------------
@@ -727,7 +932,7 @@ class SecAggClient:
         self._neighbours: tuple[int, ...] = ()
         self._roster: dict[int, AdvertiseKeys] = {}
         self._enc_keys: dict[int, AESGCM] = {}
-        # owner -> (share index, b share, s share half a, s share half b)
+        # owner -> (share index, b share, s share half a, s share half b), 17 bytes each
         self._held: dict[int, tuple[int, bytes, bytes, bytes]] = {}
         self._sent_input = False
         self._answered = False
@@ -759,6 +964,11 @@ class SecAggClient:
         n, half, i = len(ring), int(cfg.neighbour_degree) // 2, pos[u]  # type: ignore[arg-type]
         return tuple(sorted({ring[(i + j) % n] for j in range(-half, half + 1) if j}))
 
+    @staticmethod
+    def _rank(holder: int, owner_holders: Sequence[int]) -> int:
+        """Share index of ``holder``: its 1-based rank among the owner's holders."""
+        return sorted(owner_holders).index(holder) + 1
+
     # Round 0
     def advertise(self) -> AdvertiseKeys:
         return AdvertiseKeys(self.id, _raw(self._c_sk.public_key()), _raw(self._s_sk.public_key()))
@@ -777,7 +987,8 @@ class SecAggClient:
         """Shamir-share ``b_u`` and ``s_sk_u`` among neighbours + self; encrypt each share.
 
         ``neighbours``: the server's list, checked against the graph the config fixes
-        (when the config names ``client_ids``).
+        (when the config names ``client_ids``); ``roster``: the advertised keys of
+        those neighbours that advertised.
         """
         self._neighbours = tuple(sorted(int(v) for v in neighbours))
         self._roster = {int(k): v for k, v in roster.items()}
@@ -787,42 +998,65 @@ class SecAggClient:
         if expected is not None and self._neighbours != expected:
             raise SecAggAbort("the server's neighbour list differs from the graph fixed by "
                               "the config (client_ids, graph_seed)")
-        if len({m.c_pk for m in self._roster.values()}) != len(self._roster):
+        if not set(self._roster) <= set(self._neighbours):
+            raise SecAggAbort("the roster names a client that is not a neighbour")
+        keys = [m.c_pk for m in self._roster.values()] + [m.s_pk for m in self._roster.values()]
+        if len(set(keys)) != len(keys):
             raise SecAggAbort("duplicate public keys in the roster")
-        holders = sorted((*self._neighbours, self.id))
         t = self.config.threshold
-        if len(holders) < t:
+        recipients = [v for v in self._neighbours if v in self._roster]
+        if len(recipients) + 1 < t:
             raise SecAggAbort("fewer share holders than the threshold")
+        ranked = sorted((*self._neighbours, self.id))
         s_raw = self._s_sk.private_bytes_raw()
-        b_shares = Shamir.split(t, len(holders), self._b)
-        s_a = Shamir.split(t, len(holders), s_raw[:16])
-        s_b = Shamir.split(t, len(holders), s_raw[16:])
+        holders = [*recipients, self.id]
+        xs = [ranked.index(h) + 1 for h in holders]
+        b_sh = shamir_split(int.from_bytes(self._b, "little"), t, xs)
+        sa_sh = shamir_split(int.from_bytes(s_raw[:16], "little"), t, xs)
+        sb_sh = shamir_split(int.from_bytes(s_raw[16:], "little"), t, xs)
         out = []
-        for pos, holder in enumerate(holders):
-            idx = pos + 1
-            assert b_shares[pos][0] == idx
-            payload = struct.pack("<qqI", self.id, holder, idx) + b_shares[pos][1] + s_a[pos][1] + s_b[pos][1]
+        for holder, x, b, sa, sb in zip(holders, xs, b_sh, sa_sh, sb_sh, strict=True):
+            shares = (_to_share(b), _to_share(sa), _to_share(sb))
             if holder == self.id:
-                self._held[self.id] = (idx, b_shares[pos][1], s_a[pos][1], s_b[pos][1])
+                self._held[self.id] = (x, *shares)
                 continue
+            payload = _HEADER.pack(self.id, holder, x) + b"".join(shares)
             nonce = struct.pack("<q", self.id) + b"\x00" * 4
             ad = struct.pack("<qq", self.id, holder)
             ct = self._aead(holder).encrypt(nonce, payload, ad)
             out.append(EncryptedShare(self.id, holder, ct))
-        return ShareKeys(self.id, tuple(out))
+        return ShareKeys(self.id, tuple(out), self_mask_commitment(self.config.round_id, self.id, self._b))
 
     def receive_shares(self, shares: Sequence[EncryptedShare]) -> None:
-        """Decrypt and keep the shares routed to this client (AES-GCM verifies them)."""
+        """Decrypt and keep the shares routed to this client (AES-GCM verifies them).
+
+        A share is kept under this client's own share index for its owner (its rank among
+        the owner's holders, known from the graph) and a value outside the field is kept
+        as 0: a dealer's wrong header or value then makes one bad share, which the
+        server's decoding works around, not a malformed response from this client.
+        """
+        cfg = self.config
         for sh in shares:
             if sh.recipient != self.id or sh.sender not in self._neighbours:
                 raise SecAggAbort("share routed to the wrong client or from a non-neighbour")
             nonce = struct.pack("<q", sh.sender) + b"\x00" * 4
             ad = struct.pack("<qq", sh.sender, self.id)
             pt = self._aead(sh.sender).decrypt(nonce, sh.ciphertext, ad)
-            owner, recipient, idx = struct.unpack("<qqI", pt[:20])
+            if len(pt) != _PAYLOAD_BYTES:
+                raise SecAggAbort("share payload has the wrong length")
+            owner, recipient, idx = _HEADER.unpack(pt[:_HEADER.size])
             if owner != sh.sender or recipient != self.id:
                 raise SecAggAbort("share header does not match its envelope")
-            self._held[owner] = (idx, pt[20:36], pt[36:52], pt[52:68])
+            if cfg.complete_graph:  # the owner's holders are everyone, as are this client's
+                idx = self._rank(self.id, (*self._neighbours, self.id))
+            else:
+                owner_nb = self._graph_neighbours(owner)
+                if owner_nb is not None:
+                    idx = self._rank(self.id, (*owner_nb, owner))
+            body = pt[_HEADER.size:]
+            parts = tuple(body[i * _SHARE_BYTES:(i + 1) * _SHARE_BYTES] for i in range(3))
+            parts = tuple(p if _from_share(p) is not None else _to_share(0) for p in parts)
+            self._held[owner] = (idx, *parts)
 
     def _pair_seed(self, other: int) -> bytes:
         peer = X25519PublicKey.from_public_bytes(self._roster[other].s_pk)
@@ -898,8 +1132,44 @@ class SecAggClient:
 # --------------------------------------------------------------------------
 
 
+def _as_words(x: Any, d: int, bits: int) -> tuple[np.ndarray | None, str]:
+    """Validate a masked vector: integer dtype, shape (d,), every word in [0, 2^bits)."""
+    try:
+        arr = x if isinstance(x, np.ndarray) else np.asarray(x)
+    except (ValueError, TypeError, OverflowError):
+        return None, "masked_input: not an integer vector"
+    if arr.dtype == object:
+        flat = arr.ravel().tolist()
+        if not all(type(w) is int for w in flat):
+            return None, "masked_input: words must be integers"
+        if arr.shape != (d,):
+            return None, f"masked_input: wrong length (expected {d} words)"
+        if any(not 0 <= w < 1 << bits for w in flat):
+            return None, f"masked_input: word outside [0, 2^{bits})"
+        return np.asarray(flat, dtype=np.uint64), ""
+    if arr.dtype.kind not in "iu":
+        return None, f"masked_input: words must be integers (dtype {arr.dtype})"
+    if arr.shape != (d,):
+        return None, f"masked_input: wrong length (expected {d} words)"
+    if arr.dtype.kind == "i" and d and int(arr.min()) < 0:
+        return None, f"masked_input: word outside [0, 2^{bits})"
+    if d and int(arr.max()) >= 1 << bits:
+        return None, f"masked_input: word outside [0, 2^{bits})"
+    return arr.astype(np.uint64), ""
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
 class SecAggServer:
-    """Server side: routes messages, never holds a client secret, outputs only the sum."""
+    """Server side: routes messages, never holds a client secret, outputs only the sum.
+
+    Every message is validated; a client whose message breaks a rule is recorded in
+    :attr:`rejected` and treated as a dropout from that step on (a malformed
+    unmasking response is ignored).  Only too few clients left, or a secret with no
+    consistent set of t shares, abort the round (:class:`SecAggAbort`).
+    """
 
     def __init__(self, config: SecAggConfig, client_ids: Sequence[int]) -> None:
         ids = [int(c) for c in client_ids]
@@ -909,17 +1179,69 @@ class SecAggServer:
             raise ValueError("client_ids: must equal the config's client_ids")
         self.config = config
         self.ids = tuple(sorted(ids))
+        self._idset = frozenset(self.ids)
         self.neighbours = harary_neighbours(
             self.ids, None if config.complete_graph else config.neighbour_degree, config.graph_seed
         )
+        if config.complete_graph:  # every client holds a share of every client
+            self._holders = dict.fromkeys(self.ids, self.ids)
+        else:
+            self._holders = {u: tuple(sorted((*nb, u))) for u, nb in self.neighbours.items()}
         self._roster: dict[int, AdvertiseKeys] = {}
         self._u1: set[int] = set()
+        self._commitments: dict[int, bytes] = {}
         self._masked: dict[int, np.ndarray] = {}
         self._request: UnmaskingRequest | None = None
+        self._rejected: dict[int, str] = {}
+
+    @property
+    def rejected(self) -> dict[int, str]:
+        """Client id -> reason for every message refused so far."""
+        return dict(self._rejected)
+
+    def _reject(self, u: Any, reason: str) -> None:
+        if _is_int(u):
+            self._rejected.setdefault(int(u), reason)
+
+    def _index(self, owner: int, holder: int) -> int | None:
+        """Share index of ``holder`` for ``owner`` (its rank among the owner's holders)."""
+        hs = self._holders[owner]
+        i = bisect.bisect_left(hs, holder)
+        return i + 1 if i < len(hs) and hs[i] == holder else None
 
     def collect_advertisements(self, msgs: Sequence[AdvertiseKeys]) -> dict[int, dict[int, AdvertiseKeys]]:
-        """Round 0: returns, per client, the public keys of its neighbours."""
-        self._roster = {m.client_id: m for m in msgs}
+        """Round 0: returns, per accepted client, the public keys of its neighbours."""
+        seen: dict[int, AdvertiseKeys] = {}
+        twice: set[int] = set()
+        for m in msgs:
+            u = getattr(m, "client_id", None)
+            if not _is_int(u) or int(u) not in self._idset:
+                self._reject(u, "advertise_keys: not a client of this round")
+                continue
+            u = int(u)
+            if u in seen or u in twice:
+                twice.add(u)
+                seen.pop(u, None)
+                self._reject(u, "advertise_keys: sent twice")
+                continue
+            keys = (getattr(m, "c_pk", None), getattr(m, "s_pk", None))
+            if not all(isinstance(k, bytes) and len(k) == 32 for k in keys):
+                self._reject(u, "advertise_keys: public keys must be 32 bytes")
+                continue
+            if any(_low_order(k) for k in keys):
+                self._reject(u, "advertise_keys: low-order public key")
+                continue
+            seen[u] = m
+        owners: dict[bytes, list[int]] = {}
+        for u, m in seen.items():
+            owners.setdefault(m.c_pk, []).append(u)
+            owners.setdefault(m.s_pk, []).append(u)
+        for us in owners.values():
+            if len(us) > 1:
+                for u in us:
+                    self._reject(u, "advertise_keys: public key used twice")
+                    seen.pop(u, None)
+        self._roster = seen
         if len(self._roster) < self.config.threshold:
             raise SecAggAbort("fewer clients advertised keys than the threshold")
         return {
@@ -927,37 +1249,89 @@ class SecAggServer:
             for u in self._roster
         }
 
+    def _valid_share_keys(self, m: Any) -> tuple[int | None, str]:
+        u = getattr(m, "client_id", None)
+        if not _is_int(u) or int(u) not in self._roster:
+            return None, "share_keys: not an advertised client"
+        u = int(u)
+        shares = getattr(m, "shares", None)
+        if not isinstance(shares, (tuple, list)):
+            return u, "share_keys: shares must be a sequence"
+        expected = {v for v in self.neighbours[u] if v in self._roster}
+        got = set()
+        for sh in shares:
+            if not isinstance(sh, EncryptedShare) or sh.sender != u:
+                return u, "share_keys: share from another sender"
+            if not _is_int(sh.recipient) or sh.recipient not in expected or sh.recipient in got:
+                return u, "share_keys: share for a non-neighbour or twice for one neighbour"
+            if not isinstance(sh.ciphertext, bytes) or len(sh.ciphertext) != _CIPHERTEXT_BYTES:
+                return u, f"share_keys: ciphertext must be {_CIPHERTEXT_BYTES} bytes"
+            got.add(sh.recipient)
+        if got != expected:
+            return u, "share_keys: no share for some advertised neighbour"
+        c = getattr(m, "b_commitment", b"")
+        if not isinstance(c, bytes) or len(c) not in (0, _COMMITMENT_BYTES):
+            return u, f"share_keys: b_commitment must be {_COMMITMENT_BYTES} bytes"
+        return u, ""
+
     def route_shares(self, msgs: Sequence[ShareKeys]) -> dict[int, list[EncryptedShare]]:
-        """Round 1: routes ciphertexts; U1 = clients that sent their shares."""
-        self._u1 = {m.client_id for m in msgs}
+        """Round 1: routes ciphertexts; U1 = clients whose ShareKeys was valid."""
+        accepted: dict[int, ShareKeys] = {}
+        twice: set[int] = set()
+        for m in msgs:
+            u, reason = self._valid_share_keys(m)
+            if u is None:
+                self._reject(getattr(m, "client_id", None), reason)
+                continue
+            if u in accepted or u in twice:
+                twice.add(u)
+                accepted.pop(u, None)
+                self._reject(u, "share_keys: sent twice")
+                continue
+            if reason:
+                self._reject(u, reason)
+                continue
+            accepted[u] = m
+        self._u1 = set(accepted)
+        self._commitments = {u: m.b_commitment for u, m in accepted.items()}
         if len(self._u1) < self.config.threshold:
             raise SecAggAbort("fewer clients shared keys than the threshold")
         inbox: dict[int, list[EncryptedShare]] = {u: [] for u in self._u1}
-        for m in msgs:
+        for m in accepted.values():
             for sh in m.shares:
                 if sh.recipient in inbox:
                     inbox[sh.recipient].append(sh)
         return inbox
 
     def collect_masked_inputs(self, msgs: Sequence[MaskedInput]) -> UnmaskingRequest:
-        """Round 2: keeps masked vectors; aborts below t (or the floor of) survivors, or
-        when the survivors are disconnected in the neighbour graph."""
-        d = self.config.vector_length
+        """Round 2: keeps valid masked vectors; aborts below t (or the floor of) survivors."""
+        cfg = self.config
+        d = cfg.vector_length
         self._masked = {}
+        twice: set[int] = set()
         for m in msgs:
-            if m.client_id not in self._u1:
+            u = getattr(m, "client_id", None)
+            if not _is_int(u) or int(u) not in self._u1:
+                if _is_int(u) and int(u) in self._idset:
+                    self._reject(u, "masked_input: did not share keys")
                 continue
-            y = np.asarray(m.masked)
-            if y.shape != (d,) or y.dtype != np.uint64:
-                raise ValueError("masked input must be uint64 of shape (vector_length,)")
-            self._masked[m.client_id] = y
+            u = int(u)
+            if u in self._masked or u in twice:
+                twice.add(u)
+                self._masked.pop(u, None)
+                self._reject(u, "masked_input: sent twice")
+                continue
+            y, reason = _as_words(getattr(m, "masked", None), d, cfg.modulus_bits)
+            if y is None:
+                self._reject(u, reason)
+                continue
+            self._masked[u] = y
         survivors = frozenset(self._masked)
-        if len(survivors) < self.config.threshold:
+        if len(survivors) < cfg.threshold:
             raise SecAggAbort(
                 f"only {len(survivors)} clients sent masked input; the threshold is "
-                f"{self.config.threshold}: the round is aborted and no sum is released"
+                f"{cfg.threshold}: the round is aborted and no sum is released"
             )
-        cfg = self.config
         if len(survivors) < cfg.survivor_floor:
             raise SecAggAbort(
                 f"only {len(survivors)} clients sent masked input; the survivor floor is "
@@ -969,46 +1343,157 @@ class SecAggServer:
         self._request = UnmaskingRequest(survivors, frozenset(self._u1 - survivors))
         return self._request
 
+    def _parse_responses(self, responses: Sequence[UnmaskingResponse]) -> tuple[
+            dict[int, list[tuple[int, int, int]]], dict[int, list[tuple[int, int, int, int]]]]:
+        """Valid responses -> owner -> [(index, holder, share...)]; others rejected."""
+        req = self._request
+        assert req is not None
+        s, d = req.survivors, req.dropped
+        b_pts: dict[int, list[tuple[int, int, int]]] = {u: [] for u in s}
+        k_pts: dict[int, list[tuple[int, int, int, int]]] = {u: [] for u in d}
+        by_client: dict[int, Any] = {}
+        twice: set[int] = set()
+        for r in responses:
+            u = getattr(r, "client_id", None)
+            if not _is_int(u) or int(u) not in s:
+                if _is_int(u) and int(u) in self._idset:
+                    self._reject(u, "unmasking: not a survivor")
+                continue
+            u = int(u)
+            if u in by_client or u in twice:
+                twice.add(u)
+                by_client.pop(u, None)
+                self._reject(u, "unmasking: answered twice")
+                continue
+            by_client[u] = r
+        for u, r in by_client.items():
+            parsed = self._parse_one(u, r, s, d)
+            if isinstance(parsed, str):
+                self._reject(u, parsed)
+                continue
+            bs, ks = parsed
+            for owner, idx, y in bs:
+                b_pts[owner].append((idx, u, y))
+            for owner, idx, ya, yb in ks:
+                k_pts[owner].append((idx, u, ya, yb))
+        return b_pts, k_pts
+
+    def _parse_one(self, u: int, r: Any, s: frozenset[int], d: frozenset[int]) -> Any:
+        bmap, kmap = getattr(r, "self_mask_shares", None), getattr(r, "key_shares", None)
+        if not isinstance(bmap, Mapping) or not isinstance(kmap, Mapping):
+            return "unmasking: shares must be mappings"
+        if set(bmap) & set(kmap):
+            return "unmasking: both kinds of share for one client"
+        bs, ks = [], []
+        for owner, sh in bmap.items():
+            if not _is_int(owner) or int(owner) not in s:
+                return "unmasking: self-mask share of a client that is not a survivor"
+            idx = self._index(int(owner), u)
+            if idx is None:
+                return "unmasking: share of a client this one does not hold"
+            if not isinstance(sh, tuple) or len(sh) != 2 or not _is_int(sh[0]) or sh[0] != idx:
+                return "unmasking: share with a wrong index"
+            y = _from_share(sh[1])
+            if y is None:
+                return f"unmasking: share must be {_SHARE_BYTES} bytes below the field prime"
+            bs.append((int(owner), idx, y))
+        for owner, sh in kmap.items():
+            if not _is_int(owner) or int(owner) not in d:
+                return "unmasking: key share of a client that is not dropped"
+            idx = self._index(int(owner), u)
+            if idx is None:
+                return "unmasking: share of a client this one does not hold"
+            if not isinstance(sh, tuple) or len(sh) != 3 or not _is_int(sh[0]) or sh[0] != idx:
+                return "unmasking: share with a wrong index"
+            ya, yb = _from_share(sh[1]), _from_share(sh[2])
+            if ya is None or yb is None:
+                return f"unmasking: share must be {_SHARE_BYTES} bytes below the field prime"
+            ks.append((int(owner), idx, ya, yb))
+        return bs, ks
+
+    def _recover(self, owner: int, pts: list[tuple[Any, ...]], verify: Any, kind: str,
+                 trust_consistent: bool = False) -> list[int]:
+        """Secrets of one owner from its shares ``(index, holder, y...)``.
+
+        The t lowest indices first; if their secret fails ``verify`` (commitment or
+        public key), Berlekamp-Welch decoding around up to ``(m - t) // 2`` bad shares,
+        whose holders are recorded as rejected.  ``trust_consistent``: if all m > t
+        shares lie on one polynomial whose secret still fails ``verify``, the owner's
+        own check value is what is wrong -- accept that secret and reject the owner.
+        """
+        t = self.config.threshold
+        if len(pts) < t:
+            raise SecAggAbort(f"too few responding holders to remove a {kind}: round aborted")
+        pts = sorted(pts)
+        n_sec = len(pts[0]) - 2
+        first = pts[:t]
+        lam = _lagrange_at_zero(tuple(p[0] for p in first))
+        cand = [sum(la * p[2 + j] for la, p in zip(lam, first, strict=True)) % SHAMIR_PRIME
+                for j in range(n_sec)]
+        if verify(cand):
+            return cand
+        polys = [_berlekamp_welch([(p[0], p[2 + j]) for p in pts], t) for j in range(n_sec)]
+        if all(poly is not None for poly in polys):
+            decoded = [poly[0] for poly in polys]  # type: ignore[index]
+            bad = [p for p in pts if any(_poly_eval(poly, p[0]) != p[2 + j]  # type: ignore[arg-type]
+                                         for j, poly in enumerate(polys))]
+            if verify(decoded):
+                for p in bad:
+                    self._reject(p[1], "unmasking: share inconsistent with the verified "
+                                       "secret (bad at this holder or at its dealer)")
+                return decoded
+            if trust_consistent and not bad and len(pts) > t:
+                self._reject(owner, "share_keys: commitment does not match the client's shares")
+                return decoded
+        elif trust_consistent and len(pts) > t:  # too few shares for decoding: all must agree
+            polys = [_poly_through([(p[0], p[2 + j]) for p in first]) for j in range(n_sec)]
+            if all(_poly_eval(poly, p[0]) == p[2 + j] for p in pts
+                   for j, poly in enumerate(polys)):
+                self._reject(owner, "share_keys: commitment does not match the client's shares")
+                return [poly[0] for poly in polys]
+        raise SecAggAbort(f"no consistent set of t shares to remove a {kind}: round aborted")
+
     def finalize(self, responses: Sequence[UnmaskingResponse]) -> SecAggResult:
         """Round 3: reconstruct self masks (survivors) and mask keys (dropped); output the sum."""
         if self._request is None:
             raise RuntimeError("collect_masked_inputs must run before finalize")
         cfg = self.config
         req = self._request
-        t = cfg.threshold
-        resp = [r for r in responses if r.client_id in req.survivors]
-        b_shares: dict[int, list[tuple[int, bytes]]] = {u: [] for u in req.survivors}
-        k_shares: dict[int, list[tuple[int, bytes, bytes]]] = {u: [] for u in req.dropped}
-        for r in resp:
-            for owner, sh in r.self_mask_shares.items():
-                if owner in b_shares:
-                    b_shares[owner].append(sh)
-            for owner, ksh in r.key_shares.items():
-                if owner in k_shares:
-                    k_shares[owner].append(ksh)
+        b_pts, k_pts = self._parse_responses(responses)
         mm = np.uint64(cfg.modulus_mask)
         total = np.zeros(cfg.vector_length, dtype=np.uint64)
         for y in self._masked.values():
             total = total + y
         clock = time.perf_counter()
-        for shares in b_shares.values():
-            if len(shares) < t:
-                raise SecAggAbort(
-                    "too few responding holders to remove a survivor's self mask: round aborted"
-                )
-            b_u = Shamir.combine(shares[:t])
-            total = total - prg_words(b_u, cfg.vector_length, cfg.modulus_mask)
+        for u, pts in b_pts.items():
+            commit = self._commitments.get(u, b"")
+
+            def check_b(c: list[int], u: int = u, commit: bytes = commit) -> bool:
+                return c[0] < 1 << 128 and (not commit or self_mask_commitment(
+                    cfg.round_id, u, c[0].to_bytes(16, "little")) == commit)
+
+            (b_int,) = self._recover(u, pts, check_b, "survivor's self mask",
+                                     trust_consistent=True)
+            if b_int >= 1 << 128:
+                raise SecAggAbort("no consistent set of t shares to remove a survivor's self "
+                                  "mask: round aborted")
+            total = total - prg_words(b_int.to_bytes(16, "little"), cfg.vector_length,
+                                      cfg.modulus_mask)
         t_self = time.perf_counter() - clock
         clock = time.perf_counter()
-        for u, kshares in k_shares.items():
-            if len(kshares) < t:
-                raise SecAggAbort(
-                    "too few responding holders to remove a dropped client's masks: round aborted"
-                )
-            sk = Shamir.combine([(i, a) for i, a, _ in kshares[:t]]) + Shamir.combine(
-                [(i, b) for i, _, b in kshares[:t]]
-            )
-            s_sk_u = X25519PrivateKey.from_private_bytes(sk)
+        for u, kpts in k_pts.items():
+            s_pk = self._roster[u].s_pk
+
+            def check_s(c: list[int], s_pk: bytes = s_pk) -> bool:
+                if c[0] >= 1 << 128 or c[1] >= 1 << 128:
+                    return False
+                sk = X25519PrivateKey.from_private_bytes(
+                    c[0].to_bytes(16, "little") + c[1].to_bytes(16, "little"))
+                return _raw(sk.public_key()) == s_pk
+
+            lo, hi = self._recover(u, kpts, check_s, "dropped client's masks")
+            s_sk_u = X25519PrivateKey.from_private_bytes(
+                lo.to_bytes(16, "little") + hi.to_bytes(16, "little"))
             for v in self.neighbours[u]:
                 if v not in req.survivors:
                     continue
@@ -1024,6 +1509,7 @@ class SecAggServer:
             survivors=tuple(sorted(req.survivors)),
             dropped=tuple(sorted(req.dropped)),
             server_seconds={"unmasking.self_masks": t_self, "unmasking.dropout_recovery": t_drop},
+            rejected=dict(self._rejected),
         )
 
     @property
