@@ -856,3 +856,27 @@ def test_property_result_is_the_plain_modular_sum_under_random_dropouts(case):
     assert possible
     np.testing.assert_array_equal(res.sum_quantised, _plain_sum(inputs, survivors, bits=20))
     assert res.survivors == tuple(sorted(survivors)) and res.rejected == {}
+
+
+def test_evaluation_config_assumptions_give_safe_parameters_for_every_group_size():
+    from clma.config import ConfigError, default_config, validate_config
+
+    ev = default_config().evaluation
+    assert (ev.secagg_corrupted_fraction, ev.secagg_dropout_fraction) == (0.05, 0.10)
+    assert (ev.secagg_statistical_security, ev.secagg_correctness) == (40, 20)
+    for n in (3, 5, 7, 20, 60, 500):
+        k, t = secagg.secagg_plus_parameters(
+            n, corrupted_fraction=ev.secagg_corrupted_fraction,
+            dropout_fraction=ev.secagg_dropout_fraction,
+            statistical_security=ev.secagg_statistical_security,
+            correctness=ev.secagg_correctness)
+        cfg = SecAggConfig(n_clients=n, threshold=t, vector_length=32,
+                           neighbour_degree=None if k >= n - 1 else k,
+                           corrupted_fraction=ev.secagg_corrupted_fraction,
+                           dropout_fraction=ev.secagg_dropout_fraction)
+        assert 2 <= t <= cfg.holders_per_client
+    # two clients cannot lose one (ceil(0.1 * 2) = 1) and keep t >= 2 shares
+    with pytest.raises(ValueError, match=r"no safe threshold for n_clients=2"):
+        secagg.secagg_plus_parameters(2, corrupted_fraction=0.05, dropout_fraction=0.1)
+    with pytest.raises(ConfigError, match=r"evaluation.secagg_dropout_fraction.*less than 0.5"):
+        validate_config({"evaluation": {"secagg_dropout_fraction": 0.5}})
