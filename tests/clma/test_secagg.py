@@ -338,6 +338,9 @@ def test_partition_attack_leaks_an_arc_sum_without_the_connectivity_check(monkey
     (1000, 0.05, 0.05, (28, 17)),
     (10_000, 0.05, 0.05, (34, 20)),
     (10_000, 0.10, 0.10, (54, 31)),
+    (100, 0.05, 0.10, (20, 11)),  # the evaluation config's defaults (docs)
+    (1000, 0.05, 0.10, (36, 19)),
+    (10_000, 0.05, 0.10, (42, 22)),
     (6, 0.17, 0.17, (5, 4)),  # no sparse graph works: the complete graph, c=2 < t <= n-d=4
 ])
 def test_secagg_plus_parameters_are_the_smallest_safe_degree(n, gamma, delta, expected):
