@@ -136,6 +136,18 @@ Round 3 ``Unmasking`` (server -> clients -> server): the server announces the
     masks of the survivors and the pairwise masks between survivors and
     dropped clients; pairwise masks between survivors cancel.  It learns
     ``sum_{u in S} q_u mod 2^k`` and nothing about an individual ``q_u``.
+Cost
+----
+Per client: 2k X25519 agreements (one per neighbour for the share encryption key,
+kept for decryption, and one for the pairwise mask), k + 1 AES-CTR expansions (one
+call per seed) and three sharing polynomials evaluated at k + 1 points.  Server:
+all shares of a round are checked at once (numpy: field range, the holder's share
+index); each secret is interpolated from its t lowest share indices with Lagrange
+coefficients cached per index set (one set serves every owner whose first t
+holders answered); one AES-CTR expansion per seed, the masks summed as one array;
+per dropped client one agreement per surviving neighbour.
+``benchmarks/bench_secagg.py`` measures it against Flower's SecAgg+ primitives.
+
 Abort: fewer than t survivors, a survivor set below the floor or disconnected,
 fewer than t responding holders of one client, or no consistent set of t
 shares for one client raises :class:`SecAggAbort` -- the sum is refused, never
@@ -146,10 +158,9 @@ unseedable; only the neighbour-graph permutation is seeded.
 
 from __future__ import annotations
 
-import bisect
 import math
+import operator
 import os
-import secrets
 import struct
 import time
 from collections.abc import Mapping, Sequence
@@ -198,6 +209,7 @@ _ZERO_NONCE16 = b"\x00" * 16
 #: The Shamir field GF(p), p = 2^130 - 5 (prime; holds any 128-bit chunk).
 SHAMIR_PRIME = (1 << 130) - 5
 _SHARE_BYTES = 17  # ceil(130 / 8)
+_MASK130 = (1 << 130) - 1
 _HEADER = struct.Struct("<qqI")  # owner, recipient, share index
 _PAYLOAD_BYTES = _HEADER.size + 3 * _SHARE_BYTES
 _CIPHERTEXT_BYTES = _PAYLOAD_BYTES + 16  # AES-GCM tag
@@ -552,10 +564,29 @@ class SecAggConfig(BaseModel):
         return (1 << self.modulus_bits) - 1
 
 
+def _ring_permutation(n: int, seed: int) -> np.ndarray:
+    """``perm[i]`` = (index in the id list of) the client at ring position i."""
+    return np.random.default_rng(seed).permutation(n)
+
+
 def _ring(ids: Sequence[int], seed: int) -> list[int]:
     """Ring order of the clients: a seeded permutation of ``ids`` (in the order given)."""
     ids = list(ids)
-    return [ids[i] for i in np.random.default_rng(seed).permutation(len(ids))]
+    return [ids[i] for i in _ring_permutation(len(ids), seed)]
+
+
+def _ring_offsets(degree: int, with_self: bool = False) -> np.ndarray:
+    half = degree // 2
+    return np.arange(-half, half + 1) if with_self else np.concatenate(
+        [np.arange(-half, 0), np.arange(1, half + 1)])
+
+
+def _neighbour_matrix(n: int, degree: int, seed: int, with_self: bool = False) -> np.ndarray:
+    """(n, degree [+ 1]) int64: row j = the list indices of client j's neighbours [and j]."""
+    perm = _ring_permutation(n, seed)
+    pos = np.empty(n, dtype=np.int64)
+    pos[perm] = np.arange(n)
+    return perm[(pos[:, None] + _ring_offsets(degree, with_self)[None, :]) % n]
 
 
 def harary_neighbours(ids: Sequence[int], degree: int | None, seed: int) -> dict[int, tuple[int, ...]]:
@@ -570,30 +601,28 @@ def harary_neighbours(ids: Sequence[int], degree: int | None, seed: int) -> dict
     n = len(ids)
     if degree is None or degree >= n - 1:
         return {u: tuple(v for v in ids if v != u) for u in ids}
-    perm = _ring(ids, seed)
-    half = degree // 2
-    out: dict[int, set[int]] = {u: set() for u in ids}
-    for i, u in enumerate(perm):
-        for j in range(1, half + 1):
-            v = perm[(i + j) % n]
-            out[u].add(v)
-            out[v].add(u)
-    return {u: tuple(sorted(vs)) for u, vs in out.items()}
+    arr = np.asarray(ids, dtype=np.int64)
+    nb = arr[_neighbour_matrix(n, degree, seed)]
+    nb.sort(axis=1)
+    return dict(zip(ids, map(tuple, nb.tolist()), strict=True))
+
+
+def _connected_on_ring(positions: np.ndarray, n: int, degree: int) -> bool:
+    """Whether the clients at these ring positions induce a connected subgraph of
+    H(degree, n): two of them are adjacent iff at most ``degree / 2`` ring steps apart,
+    so the induced graph is connected iff at most one cyclic gap between consecutive
+    members exceeds ``degree / 2`` steps."""
+    if positions.size <= 1:
+        return True
+    pos = np.sort(positions)
+    gaps = np.diff(pos, append=pos[0] + n)
+    return int(np.count_nonzero(gaps > degree // 2)) <= 1
 
 
 def _ring_connected(ring: Sequence[int], members: frozenset[int], degree: int) -> bool:
-    """Whether ``members`` induce a connected subgraph of H(degree, n) on ``ring``.
-
-    Two members are adjacent iff at most ``degree / 2`` ring steps apart, so the
-    induced graph is connected iff at most one cyclic gap between consecutive
-    members exceeds ``degree / 2`` steps.
-    """
-    n = len(ring)
-    pos = np.flatnonzero(np.fromiter((u in members for u in ring), dtype=bool, count=n))
-    if pos.size <= 1:
-        return True
-    gaps = np.diff(pos, append=pos[0] + n)
-    return int(np.count_nonzero(gaps > degree // 2)) <= 1
+    """Whether ``members`` induce a connected subgraph of H(degree, n) on ``ring``."""
+    pos = np.flatnonzero(np.fromiter((u in members for u in ring), dtype=bool, count=len(ring)))
+    return _connected_on_ring(pos, len(ring), degree)
 
 
 class FixedPointQuantiser:
@@ -660,28 +689,66 @@ def shamir_split(secret: int, threshold: int, xs: Sequence[int]) -> list[int]:
         raise ValueError("threshold: need 1 <= threshold <= number of shares")
     if len(set(xs)) != len(xs) or any(not 0 < x < p for x in xs):
         raise ValueError("xs: share points must be distinct and nonzero")
-    coeffs = [secrets.randbelow(p) for _ in range(threshold - 1)][::-1] + [secret]
-    out = []
+    return _split_many([secret], threshold, xs)[0]
+
+
+def _random_field_elements(count: int) -> list[int]:
+    """``count`` independent uniform elements of GF(SHAMIR_PRIME) from ``os.urandom``
+    (130-bit draws, rejection of the 5 values >= p)."""
+    out: list[int] = []
+    while len(out) < count:
+        need = count - len(out)
+        raw = os.urandom(_SHARE_BYTES * need)
+        for i in range(need):
+            v = int.from_bytes(raw[i * _SHARE_BYTES:(i + 1) * _SHARE_BYTES], "little") & _MASK130
+            if v < SHAMIR_PRIME:
+                out.append(v)
+    return out
+
+
+def _split_many(secret_values: Sequence[int], threshold: int, xs: Sequence[int]) -> list[list[int]]:
+    """Shamir shares at ``xs`` of several secrets (one random polynomial each): the
+    powers ``x^j mod p`` are computed once and shared by the polynomials."""
+    p = SHAMIR_PRIME
+    coeffs = _random_field_elements(len(secret_values) * (threshold - 1))
+    powers = []
     for x in xs:
-        acc = 0
-        for c in coeffs:  # Horner, highest degree first
-            acc = (acc * x + c) % p
-        out.append(acc)
+        row, acc = [], 1
+        for _ in range(threshold - 1):
+            acc = acc * x % p
+            row.append(acc)
+        powers.append(row)
+    out = []
+    for i, secret in enumerate(secret_values):
+        c = coeffs[i * (threshold - 1):(i + 1) * (threshold - 1)]
+        out.append([(secret + sum(map(operator.mul, c, row))) % p for row in powers])
     return out
 
 
 @lru_cache(maxsize=8192)
 def _lagrange_at_zero(xs: tuple[int, ...]) -> tuple[int, ...]:
-    """Lagrange coefficients l_i with ``f(0) = sum_i l_i f(x_i)`` for deg f < len(xs)."""
+    """Lagrange coefficients l_i with ``f(0) = sum_i l_i f(x_i)`` for deg f < len(xs):
+    ``l_i = prod_{j != i} x_j / (x_j - x_i)``, with one modular inversion for all i
+    (Montgomery's batch trick)."""
     p = SHAMIR_PRIME
-    out = []
+    nums, dens = [], []
     for i, xi in enumerate(xs):
         num = den = 1
         for j, xj in enumerate(xs):
             if j != i:
                 num = num * xj % p
                 den = den * (xj - xi) % p
-        out.append(num * pow(den, -1, p) % p)
+        nums.append(num)
+        dens.append(den)
+    prefix, acc = [], 1
+    for v in dens:
+        prefix.append(acc)
+        acc = acc * v % p
+    inv = pow(acc, -1, p)
+    out = [0] * len(xs)
+    for i in range(len(xs) - 1, -1, -1):
+        out[i] = nums[i] * (inv * prefix[i] % p) % p
+        inv = inv * dens[i] % p
     return tuple(out)
 
 
@@ -794,11 +861,22 @@ def _hkdf(secret: bytes, info: bytes, length: int = 32) -> bytes:
     return HKDF(algorithm=hashes.SHA256(), length=length, salt=None, info=info).derive(secret)
 
 
+_CTR_ZERO = modes.CTR(_ZERO_NONCE16)  # every seed is a fresh key: a fixed counter block is safe
+
+
+@lru_cache(maxsize=16)
+def _zeros(nbytes: int) -> bytes:
+    return bytes(nbytes)
+
+
 def prg_words(seed: bytes, d: int, modulus_mask: int) -> np.ndarray:
-    """Expand a 16/32-byte seed into d uniform words mod 2^k (AES-CTR keystream)."""
-    enc = Cipher(algorithms.AES(seed), modes.CTR(_ZERO_NONCE16)).encryptor()
-    stream = enc.update(b"\x00" * (8 * d)) + enc.finalize()
-    return np.frombuffer(stream, dtype="<u8").astype(np.uint64) & np.uint64(modulus_mask)
+    """Expand a 16/32-byte seed into d uniform words mod 2^k (AES-CTR keystream).
+
+    One AES-CTR call per seed: the keystream of ``8 d`` bytes read as d little-endian
+    uint64 words and reduced mod 2^k (a power of two, so uniform words stay uniform).
+    """
+    stream = Cipher(algorithms.AES(seed), _CTR_ZERO).encryptor().update(_zeros(8 * d))
+    return np.frombuffer(stream, dtype="<u8") & np.uint64(modulus_mask)
 
 
 def _pair_info(kind: str, round_id: str, u: int, v: int) -> bytes:
@@ -813,8 +891,11 @@ def self_mask_commitment(round_id: str, client_id: int, b: bytes) -> bytes:
     return h.finalize()
 
 
+_LOW_ORDER_ANY = _LOW_ORDER_POINTS | {p[:31] + bytes([p[31] | 0x80]) for p in _LOW_ORDER_POINTS}
+
+
 def _low_order(pk: bytes) -> bool:
-    return (pk[:31] + bytes([pk[31] & 0x7F])) in _LOW_ORDER_POINTS
+    return pk in _LOW_ORDER_ANY
 
 
 # --------------------------------------------------------------------------
@@ -931,23 +1012,44 @@ class SecAggClient:
         self._b = os.urandom(16)  # self-mask seed (AES-128 key for the PRG)
         self._neighbours: tuple[int, ...] = ()
         self._roster: dict[int, AdvertiseKeys] = {}
-        self._enc_keys: dict[int, AESGCM] = {}
+        self._enc_keys: dict[int, AESGCM] = {}  # cached share-encryption key agreements
         # owner -> (share index, b share, s share half a, s share half b), 17 bytes each
         self._held: dict[int, tuple[int, bytes, bytes, bytes]] = {}
         self._sent_input = False
         self._answered = False
-        self._ring_cache: tuple[list[int], dict[int, int]] | None = None
+        self._graph: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
     # the graph fixed by the config
-    def _ring(self) -> tuple[list[int], dict[int, int]]:
-        """Ring order of the config's clients and each client's ring position."""
-        if self._ring_cache is None:
-            if self.config.client_ids is None:
+    def _ring(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(sorted client ids, ring permutation, ring position of each id index)."""
+        if self._graph is None:
+            cfg = self.config
+            if cfg.client_ids is None:
                 raise SecAggAbort("the config names no client_ids: this client cannot derive "
                                   "the neighbour graph to check the server's requests")
-            ring = _ring(self.config.client_ids, self.config.graph_seed)
-            self._ring_cache = ring, {u: i for i, u in enumerate(ring)}
-        return self._ring_cache
+            ids = np.asarray(cfg.client_ids, dtype=np.int64)
+            perm = _ring_permutation(len(ids), cfg.graph_seed)
+            pos = np.empty(len(ids), dtype=np.int64)
+            pos[perm] = np.arange(len(ids))
+            self._graph = ids, perm, pos
+        return self._graph
+
+    def _dense(self, members: Sequence[int] | frozenset[int]) -> np.ndarray:
+        """Indices of client ids in the sorted id list (SecAggAbort if one is unknown)."""
+        ids = self._ring()[0]
+        arr = np.fromiter(members, dtype=np.int64, count=len(members))
+        j = np.searchsorted(ids, arr)
+        if np.any(j >= len(ids)) or np.any(ids[np.minimum(j, len(ids) - 1)] != arr):
+            raise SecAggAbort("a client outside the config's client_ids")
+        return j
+
+    def _holder_matrix(self, owners: Sequence[int]) -> np.ndarray:
+        """(len(owners), k + 1) sorted ids of each owner's holders (SecAgg+ graph)."""
+        ids, perm, pos = self._ring()
+        offs = _ring_offsets(int(self.config.neighbour_degree), with_self=True)  # type: ignore[arg-type]
+        rows = ids[perm[(pos[self._dense(owners)][:, None] + offs[None, :]) % len(ids)]]
+        rows.sort(axis=1)
+        return rows
 
     def _graph_neighbours(self, u: int) -> tuple[int, ...] | None:
         """Neighbours of ``u`` in the graph the config fixes (None: the config names no ids)."""
@@ -958,16 +1060,9 @@ class SecAggClient:
             if u not in cfg.client_ids:
                 raise SecAggAbort("a client outside the config's client_ids")
             return tuple(v for v in cfg.client_ids if v != u)
-        ring, pos = self._ring()
-        if u not in pos:
-            raise SecAggAbort("a client outside the config's client_ids")
-        n, half, i = len(ring), int(cfg.neighbour_degree) // 2, pos[u]  # type: ignore[arg-type]
-        return tuple(sorted({ring[(i + j) % n] for j in range(-half, half + 1) if j}))
-
-    @staticmethod
-    def _rank(holder: int, owner_holders: Sequence[int]) -> int:
-        """Share index of ``holder``: its 1-based rank among the owner's holders."""
-        return sorted(owner_holders).index(holder) + 1
+        row = self._holder_matrix([u])[0].tolist()
+        row.remove(u)
+        return tuple(row)
 
     # Round 0
     def advertise(self) -> AdvertiseKeys:
@@ -1007,13 +1102,14 @@ class SecAggClient:
         recipients = [v for v in self._neighbours if v in self._roster]
         if len(recipients) + 1 < t:
             raise SecAggAbort("fewer share holders than the threshold")
-        ranked = sorted((*self._neighbours, self.id))
+        rank = {h: i + 1 for i, h in enumerate(sorted((*self._neighbours, self.id)))}
         s_raw = self._s_sk.private_bytes_raw()
         holders = [*recipients, self.id]
-        xs = [ranked.index(h) + 1 for h in holders]
-        b_sh = shamir_split(int.from_bytes(self._b, "little"), t, xs)
-        sa_sh = shamir_split(int.from_bytes(s_raw[:16], "little"), t, xs)
-        sb_sh = shamir_split(int.from_bytes(s_raw[16:], "little"), t, xs)
+        xs = [rank[h] for h in holders]
+        b_sh, sa_sh, sb_sh = _split_many(
+            [int.from_bytes(self._b, "little"), int.from_bytes(s_raw[:16], "little"),
+             int.from_bytes(s_raw[16:], "little")], t, xs)
+        nonce = struct.pack("<q", self.id) + b"\x00" * 4
         out = []
         for holder, x, b, sa, sb in zip(holders, xs, b_sh, sa_sh, sb_sh, strict=True):
             shares = (_to_share(b), _to_share(sa), _to_share(sb))
@@ -1021,10 +1117,8 @@ class SecAggClient:
                 self._held[self.id] = (x, *shares)
                 continue
             payload = _HEADER.pack(self.id, holder, x) + b"".join(shares)
-            nonce = struct.pack("<q", self.id) + b"\x00" * 4
             ad = struct.pack("<qq", self.id, holder)
-            ct = self._aead(holder).encrypt(nonce, payload, ad)
-            out.append(EncryptedShare(self.id, holder, ct))
+            out.append(EncryptedShare(self.id, holder, self._aead(holder).encrypt(nonce, payload, ad)))
         return ShareKeys(self.id, tuple(out), self_mask_commitment(self.config.round_id, self.id, self._b))
 
     def receive_shares(self, shares: Sequence[EncryptedShare]) -> None:
@@ -1036,9 +1130,19 @@ class SecAggClient:
         server's decoding works around, not a malformed response from this client.
         """
         cfg = self.config
+        shares = list(shares)
         for sh in shares:
             if sh.recipient != self.id or sh.sender not in self._neighbours:
                 raise SecAggAbort("share routed to the wrong client or from a non-neighbour")
+        if cfg.complete_graph:  # the owner's holders are everyone, as are this client's
+            my_rank = sorted((*self._neighbours, self.id)).index(self.id) + 1
+            ranks = [my_rank] * len(shares)
+        elif cfg.client_ids is not None and shares:
+            rows = self._holder_matrix([sh.sender for sh in shares])
+            ranks = (np.count_nonzero(rows < self.id, axis=1) + 1).tolist()
+        else:
+            ranks = [None] * len(shares)
+        for sh, rank in zip(shares, ranks, strict=True):
             nonce = struct.pack("<q", sh.sender) + b"\x00" * 4
             ad = struct.pack("<qq", sh.sender, self.id)
             pt = self._aead(sh.sender).decrypt(nonce, sh.ciphertext, ad)
@@ -1047,16 +1151,10 @@ class SecAggClient:
             owner, recipient, idx = _HEADER.unpack(pt[:_HEADER.size])
             if owner != sh.sender or recipient != self.id:
                 raise SecAggAbort("share header does not match its envelope")
-            if cfg.complete_graph:  # the owner's holders are everyone, as are this client's
-                idx = self._rank(self.id, (*self._neighbours, self.id))
-            else:
-                owner_nb = self._graph_neighbours(owner)
-                if owner_nb is not None:
-                    idx = self._rank(self.id, (*owner_nb, owner))
             body = pt[_HEADER.size:]
             parts = tuple(body[i * _SHARE_BYTES:(i + 1) * _SHARE_BYTES] for i in range(3))
             parts = tuple(p if _from_share(p) is not None else _to_share(0) for p in parts)
-            self._held[owner] = (idx, *parts)
+            self._held[owner] = (idx if rank is None else rank, *parts)
 
     def _pair_seed(self, other: int) -> bytes:
         peer = X25519PublicKey.from_public_bytes(self._roster[other].s_pk)
@@ -1113,10 +1211,11 @@ class SecAggClient:
         holders = set(self._neighbours) | {self.id}
         if len(holders & s) < cfg.threshold:
             raise SecAggAbort("fewer survivors among this client's holders than the threshold")
-        if not cfg.complete_graph and not _ring_connected(
-                self._ring()[0], s, int(cfg.neighbour_degree)):  # type: ignore[arg-type]
-            raise SecAggAbort("the survivors are disconnected in the neighbour graph: the server "
-                              "could unmask the sum of each component separately")
+        if not cfg.complete_graph:
+            ids, _, pos = self._ring()
+            if not _connected_on_ring(pos[self._dense(s)], len(ids), int(cfg.neighbour_degree)):  # type: ignore[arg-type]
+                raise SecAggAbort("the survivors are disconnected in the neighbour graph: the "
+                                  "server could unmask the sum of each component separately")
         b_out: dict[int, tuple[int, bytes]] = {}
         k_out: dict[int, tuple[int, bytes, bytes]] = {}
         for owner, (idx, b_sh, sa, sb) in self._held.items():
@@ -1169,6 +1268,12 @@ class SecAggServer:
     :attr:`rejected` and treated as a dropout from that step on (a malformed
     unmasking response is ignored).  Only too few clients left, or a secret with no
     consistent set of t shares, abort the round (:class:`SecAggAbort`).
+
+    Unmasking is batched: all shares are range- and index-checked at once (numpy),
+    grouped by owner, and each secret is interpolated from its t lowest share indices
+    with Lagrange coefficients cached per index set (one set serves every owner whose
+    first t holders answered); masks are expanded with one AES-CTR call per seed and
+    summed as one array.
     """
 
     def __init__(self, config: SecAggConfig, client_ids: Sequence[int]) -> None:
@@ -1180,13 +1285,19 @@ class SecAggServer:
         self.config = config
         self.ids = tuple(sorted(ids))
         self._idset = frozenset(self.ids)
-        self.neighbours = harary_neighbours(
-            self.ids, None if config.complete_graph else config.neighbour_degree, config.graph_seed
-        )
-        if config.complete_graph:  # every client holds a share of every client
-            self._holders = dict.fromkeys(self.ids, self.ids)
+        self._dense = {u: i for i, u in enumerate(self.ids)}
+        n = len(self.ids)
+        self._H: np.ndarray | None = None  # (n, k+1) sorted dense holders of each owner
+        if config.complete_graph:
+            self.neighbours = {u: self.ids[:i] + self.ids[i + 1:] for i, u in enumerate(self.ids)}
         else:
-            self._holders = {u: tuple(sorted((*nb, u))) for u, nb in self.neighbours.items()}
+            k = int(config.neighbour_degree)  # type: ignore[arg-type]
+            holders = _neighbour_matrix(n, k, config.graph_seed, with_self=True)
+            holders.sort(axis=1)  # dense order is id order
+            self._H = holders
+            others = holders[holders != np.arange(n)[:, None]].reshape(n, k)
+            ids_arr = np.asarray(self.ids, dtype=np.int64)
+            self.neighbours = dict(zip(self.ids, map(tuple, ids_arr[others].tolist()), strict=True))
         self._roster: dict[int, AdvertiseKeys] = {}
         self._u1: set[int] = set()
         self._commitments: dict[int, bytes] = {}
@@ -1203,12 +1314,6 @@ class SecAggServer:
         if _is_int(u):
             self._rejected.setdefault(int(u), reason)
 
-    def _index(self, owner: int, holder: int) -> int | None:
-        """Share index of ``holder`` for ``owner`` (its rank among the owner's holders)."""
-        hs = self._holders[owner]
-        i = bisect.bisect_left(hs, holder)
-        return i + 1 if i < len(hs) and hs[i] == holder else None
-
     def collect_advertisements(self, msgs: Sequence[AdvertiseKeys]) -> dict[int, dict[int, AdvertiseKeys]]:
         """Round 0: returns, per accepted client, the public keys of its neighbours."""
         seen: dict[int, AdvertiseKeys] = {}
@@ -1224,11 +1329,12 @@ class SecAggServer:
                 seen.pop(u, None)
                 self._reject(u, "advertise_keys: sent twice")
                 continue
-            keys = (getattr(m, "c_pk", None), getattr(m, "s_pk", None))
-            if not all(isinstance(k, bytes) and len(k) == 32 for k in keys):
+            c_pk, s_pk = getattr(m, "c_pk", None), getattr(m, "s_pk", None)
+            if type(c_pk) is not bytes or type(s_pk) is not bytes or len(c_pk) != 32 \
+                    or len(s_pk) != 32:
                 self._reject(u, "advertise_keys: public keys must be 32 bytes")
                 continue
-            if any(_low_order(k) for k in keys):
+            if c_pk in _LOW_ORDER_ANY or s_pk in _LOW_ORDER_ANY:
                 self._reject(u, "advertise_keys: low-order public key")
                 continue
             seen[u] = m
@@ -1244,50 +1350,45 @@ class SecAggServer:
         self._roster = seen
         if len(self._roster) < self.config.threshold:
             raise SecAggAbort("fewer clients advertised keys than the threshold")
-        return {
-            u: {v: self._roster[v] for v in self.neighbours[u] if v in self._roster}
-            for u in self._roster
-        }
+        roster = self._roster
+        return {u: {v: roster[v] for v in self.neighbours[u] if v in roster} for u in roster}
 
-    def _valid_share_keys(self, m: Any) -> tuple[int | None, str]:
-        u = getattr(m, "client_id", None)
-        if not _is_int(u) or int(u) not in self._roster:
-            return None, "share_keys: not an advertised client"
-        u = int(u)
+    def _share_keys_problem(self, u: int, m: Any) -> str:
         shares = getattr(m, "shares", None)
-        if not isinstance(shares, (tuple, list)):
-            return u, "share_keys: shares must be a sequence"
-        expected = {v for v in self.neighbours[u] if v in self._roster}
-        got = set()
-        for sh in shares:
-            if not isinstance(sh, EncryptedShare) or sh.sender != u:
-                return u, "share_keys: share from another sender"
-            if not _is_int(sh.recipient) or sh.recipient not in expected or sh.recipient in got:
-                return u, "share_keys: share for a non-neighbour or twice for one neighbour"
-            if not isinstance(sh.ciphertext, bytes) or len(sh.ciphertext) != _CIPHERTEXT_BYTES:
-                return u, f"share_keys: ciphertext must be {_CIPHERTEXT_BYTES} bytes"
-            got.add(sh.recipient)
-        if got != expected:
-            return u, "share_keys: no share for some advertised neighbour"
+        if type(shares) not in (tuple, list):
+            return "share_keys: shares must be a sequence"
+        roster = self._roster
+        expected = {v for v in self.neighbours[u] if v in roster}
+        if len(shares) != len(expected) or (shares and set(map(type, shares)) != {EncryptedShare}):
+            return "share_keys: no share for some advertised neighbour"
+        if shares and {sh.sender for sh in shares} != {u}:
+            return "share_keys: share from another sender"
+        if {sh.recipient for sh in shares} != expected:
+            return "share_keys: no share for some advertised neighbour"
+        cts = [sh.ciphertext for sh in shares]
+        if cts and (set(map(type, cts)) != {bytes} or set(map(len, cts)) != {_CIPHERTEXT_BYTES}):
+            return f"share_keys: ciphertext must be {_CIPHERTEXT_BYTES} bytes"
         c = getattr(m, "b_commitment", b"")
-        if not isinstance(c, bytes) or len(c) not in (0, _COMMITMENT_BYTES):
-            return u, f"share_keys: b_commitment must be {_COMMITMENT_BYTES} bytes"
-        return u, ""
+        if type(c) is not bytes or len(c) not in (0, _COMMITMENT_BYTES):
+            return f"share_keys: b_commitment must be {_COMMITMENT_BYTES} bytes"
+        return ""
 
     def route_shares(self, msgs: Sequence[ShareKeys]) -> dict[int, list[EncryptedShare]]:
         """Round 1: routes ciphertexts; U1 = clients whose ShareKeys was valid."""
         accepted: dict[int, ShareKeys] = {}
         twice: set[int] = set()
         for m in msgs:
-            u, reason = self._valid_share_keys(m)
-            if u is None:
-                self._reject(getattr(m, "client_id", None), reason)
+            u = getattr(m, "client_id", None)
+            if not _is_int(u) or int(u) not in self._roster:
+                self._reject(u, "share_keys: not an advertised client")
                 continue
+            u = int(u)
             if u in accepted or u in twice:
                 twice.add(u)
                 accepted.pop(u, None)
                 self._reject(u, "share_keys: sent twice")
                 continue
+            reason = self._share_keys_problem(u, m)
             if reason:
                 self._reject(u, reason)
                 continue
@@ -1299,15 +1400,16 @@ class SecAggServer:
         inbox: dict[int, list[EncryptedShare]] = {u: [] for u in self._u1}
         for m in accepted.values():
             for sh in m.shares:
-                if sh.recipient in inbox:
-                    inbox[sh.recipient].append(sh)
+                box = inbox.get(sh.recipient)
+                if box is not None:
+                    box.append(sh)
         return inbox
 
     def collect_masked_inputs(self, msgs: Sequence[MaskedInput]) -> UnmaskingRequest:
         """Round 2: keeps valid masked vectors; aborts below t (or the floor of) survivors."""
         cfg = self.config
-        d = cfg.vector_length
-        self._masked = {}
+        d, bits = cfg.vector_length, cfg.modulus_bits
+        vectors: dict[int, np.ndarray] = {}
         twice: set[int] = set()
         for m in msgs:
             u = getattr(m, "client_id", None)
@@ -1316,16 +1418,27 @@ class SecAggServer:
                     self._reject(u, "masked_input: did not share keys")
                 continue
             u = int(u)
-            if u in self._masked or u in twice:
+            if u in vectors or u in twice:
                 twice.add(u)
-                self._masked.pop(u, None)
+                vectors.pop(u, None)
                 self._reject(u, "masked_input: sent twice")
                 continue
-            y, reason = _as_words(getattr(m, "masked", None), d, cfg.modulus_bits)
+            y = getattr(m, "masked", None)
+            if type(y) is np.ndarray and y.dtype == np.uint64 and y.shape == (d,):
+                vectors[u] = y  # range-checked below, all at once
+                continue
+            y, reason = _as_words(y, d, bits)
             if y is None:
                 self._reject(u, reason)
                 continue
-            self._masked[u] = y
+            vectors[u] = y
+        if vectors:
+            us = list(vectors)
+            over = np.flatnonzero((np.stack(list(vectors.values())) >> np.uint64(bits)).any(axis=1))
+            for i in over.tolist():
+                self._reject(us[i], f"masked_input: word outside [0, 2^{bits})")
+                del vectors[us[i]]
+        self._masked = vectors
         survivors = frozenset(self._masked)
         if len(survivors) < cfg.threshold:
             raise SecAggAbort(
@@ -1336,21 +1449,25 @@ class SecAggServer:
             raise SecAggAbort(
                 f"only {len(survivors)} clients sent masked input; the survivor floor is "
                 f"{cfg.survivor_floor}: the round is aborted and no sum is released")
-        if not cfg.complete_graph and not _ring_connected(
-                _ring(self.ids, cfg.graph_seed), survivors, int(cfg.neighbour_degree)):  # type: ignore[arg-type]
-            raise SecAggAbort("the survivors are disconnected in the neighbour graph: the round "
-                              "is aborted (the clients would refuse to unmask)")
+        if not cfg.complete_graph:
+            perm = _ring_permutation(len(self.ids), cfg.graph_seed)
+            pos = np.empty(len(self.ids), dtype=np.int64)
+            pos[perm] = np.arange(len(self.ids))
+            dense = np.fromiter(map(self._dense.__getitem__, survivors), dtype=np.int64,
+                                count=len(survivors))
+            if not _connected_on_ring(pos[dense], len(self.ids), int(cfg.neighbour_degree)):  # type: ignore[arg-type]
+                raise SecAggAbort("the survivors are disconnected in the neighbour graph: the "
+                                  "round is aborted (the clients would refuse to unmask)")
         self._request = UnmaskingRequest(survivors, frozenset(self._u1 - survivors))
         return self._request
 
-    def _parse_responses(self, responses: Sequence[UnmaskingResponse]) -> tuple[
-            dict[int, list[tuple[int, int, int]]], dict[int, list[tuple[int, int, int, int]]]]:
-        """Valid responses -> owner -> [(index, holder, share...)]; others rejected."""
+    # ---------------------------------------------------------------- unmasking
+    def _gather(self, responses: Sequence[UnmaskingResponse]) -> tuple[_Shares, _Shares]:
+        """All shares of valid responses, checked at once; others rejected."""
         req = self._request
         assert req is not None
         s, d = req.survivors, req.dropped
-        b_pts: dict[int, list[tuple[int, int, int]]] = {u: [] for u in s}
-        k_pts: dict[int, list[tuple[int, int, int, int]]] = {u: [] for u in d}
+        hmax = self.config.holders_per_client
         by_client: dict[int, Any] = {}
         twice: set[int] = set()
         for r in responses:
@@ -1366,50 +1483,34 @@ class SecAggServer:
                 self._reject(u, "unmasking: answered twice")
                 continue
             by_client[u] = r
+        b, k = _Shares(1), _Shares(2)
         for u, r in by_client.items():
-            parsed = self._parse_one(u, r, s, d)
-            if isinstance(parsed, str):
-                self._reject(u, parsed)
+            bmap, kmap = getattr(r, "self_mask_shares", None), getattr(r, "key_shares", None)
+            if not isinstance(bmap, Mapping) or not isinstance(kmap, Mapping):
+                self._reject(u, "unmasking: shares must be mappings")
                 continue
-            bs, ks = parsed
-            for owner, idx, y in bs:
-                b_pts[owner].append((idx, u, y))
-            for owner, idx, ya, yb in ks:
-                k_pts[owner].append((idx, u, ya, yb))
-        return b_pts, k_pts
-
-    def _parse_one(self, u: int, r: Any, s: frozenset[int], d: frozenset[int]) -> Any:
-        bmap, kmap = getattr(r, "self_mask_shares", None), getattr(r, "key_shares", None)
-        if not isinstance(bmap, Mapping) or not isinstance(kmap, Mapping):
-            return "unmasking: shares must be mappings"
-        if set(bmap) & set(kmap):
-            return "unmasking: both kinds of share for one client"
-        bs, ks = [], []
-        for owner, sh in bmap.items():
-            if not _is_int(owner) or int(owner) not in s:
-                return "unmasking: self-mask share of a client that is not a survivor"
-            idx = self._index(int(owner), u)
-            if idx is None:
-                return "unmasking: share of a client this one does not hold"
-            if not isinstance(sh, tuple) or len(sh) != 2 or not _is_int(sh[0]) or sh[0] != idx:
-                return "unmasking: share with a wrong index"
-            y = _from_share(sh[1])
-            if y is None:
-                return f"unmasking: share must be {_SHARE_BYTES} bytes below the field prime"
-            bs.append((int(owner), idx, y))
-        for owner, sh in kmap.items():
-            if not _is_int(owner) or int(owner) not in d:
-                return "unmasking: key share of a client that is not dropped"
-            idx = self._index(int(owner), u)
-            if idx is None:
-                return "unmasking: share of a client this one does not hold"
-            if not isinstance(sh, tuple) or len(sh) != 3 or not _is_int(sh[0]) or sh[0] != idx:
-                return "unmasking: share with a wrong index"
-            ya, yb = _from_share(sh[1]), _from_share(sh[2])
-            if ya is None or yb is None:
-                return f"unmasking: share must be {_SHARE_BYTES} bytes below the field prime"
-            ks.append((int(owner), idx, ya, yb))
-        return bs, ks
+            if bmap.keys() & kmap.keys():
+                self._reject(u, "unmasking: both kinds of share for one client")
+                continue
+            if not bmap.keys() <= s:
+                self._reject(u, "unmasking: self-mask share of a client that is not a survivor")
+                continue
+            if not kmap.keys() <= d:
+                self._reject(u, "unmasking: key share of a client that is not dropped")
+                continue
+            reason = b.add(u, bmap, hmax) or k.add(u, kmap, hmax)
+            if reason:
+                b.drop_last(u)
+                k.drop_last(u)
+                self._reject(u, reason)
+        bad: set[int] = set()
+        for table in (b, k):
+            for u, reason in table.check(self._dense, self._H).items():
+                self._reject(self.ids[u], reason)
+                bad.add(u)
+        b.discard(bad)  # a response with one bad share is ignored as a whole
+        k.discard(bad)
+        return b, k
 
     def _recover(self, owner: int, pts: list[tuple[Any, ...]], verify: Any, kind: str,
                  trust_consistent: bool = False) -> list[int]:
@@ -1453,58 +1554,89 @@ class SecAggServer:
                 return [poly[0] for poly in polys]
         raise SecAggAbort(f"no consistent set of t shares to remove a {kind}: round aborted")
 
+    def _secrets(self, table: _Shares, owners: frozenset[int], verify: Any, kind: str,
+                 trust_consistent: bool = False) -> dict[int, list[int]]:
+        """owner -> its secrets, for every owner (abort if one has fewer than t shares)."""
+        t = self.config.threshold
+        out: dict[int, list[int]] = {}
+        p = SHAMIR_PRIME
+        mul = operator.mul
+        for o, idx, rows, holders in table.groups():
+            owner = self.ids[o]
+            if len(idx) < t:
+                break
+            lam = _lagrange_at_zero(tuple(idx[:t]))
+            cand = [sum(map(mul, lam, table.values(rows[:t], j))) % p for j in range(table.width)]
+            if verify(owner, cand):
+                out[owner] = cand
+                continue
+            pts = [(i, self.ids[h], *ys) for i, h, ys in
+                   zip(idx, holders, zip(*(table.values(rows, j) for j in range(table.width)),
+                                         strict=True), strict=True)]
+            out[owner] = self._recover(owner, pts, lambda c, owner=owner: verify(owner, c), kind,
+                                       trust_consistent)
+        if len(out) != len(owners):
+            raise SecAggAbort(f"too few responding holders to remove a {kind}: round aborted")
+        return out
+
     def finalize(self, responses: Sequence[UnmaskingResponse]) -> SecAggResult:
         """Round 3: reconstruct self masks (survivors) and mask keys (dropped); output the sum."""
         if self._request is None:
             raise RuntimeError("collect_masked_inputs must run before finalize")
         cfg = self.config
         req = self._request
-        b_pts, k_pts = self._parse_responses(responses)
-        mm = np.uint64(cfg.modulus_mask)
-        total = np.zeros(cfg.vector_length, dtype=np.uint64)
-        for y in self._masked.values():
-            total = total + y
+        d, mmask = cfg.vector_length, cfg.modulus_mask
+        b_tab, k_tab = self._gather(responses)
+        total = np.stack(list(self._masked.values())).sum(axis=0, dtype=np.uint64)
         clock = time.perf_counter()
-        for u, pts in b_pts.items():
-            commit = self._commitments.get(u, b"")
+        commitments, round_id = self._commitments, cfg.round_id
 
-            def check_b(c: list[int], u: int = u, commit: bytes = commit) -> bool:
-                return c[0] < 1 << 128 and (not commit or self_mask_commitment(
-                    cfg.round_id, u, c[0].to_bytes(16, "little")) == commit)
+        def check_b(u: int, c: list[int]) -> bool:
+            commit = commitments.get(u, b"")
+            return c[0] < 1 << 128 and (not commit or self_mask_commitment(
+                round_id, u, c[0].to_bytes(16, "little")) == commit)
 
-            (b_int,) = self._recover(u, pts, check_b, "survivor's self mask",
-                                     trust_consistent=True)
-            if b_int >= 1 << 128:
-                raise SecAggAbort("no consistent set of t shares to remove a survivor's self "
-                                  "mask: round aborted")
-            total = total - prg_words(b_int.to_bytes(16, "little"), cfg.vector_length,
-                                      cfg.modulus_mask)
+        b_secrets = self._secrets(b_tab, req.survivors, check_b, "survivor's self mask",
+                                  trust_consistent=True)
+        if any(c[0] >= 1 << 128 for c in b_secrets.values()):
+            raise SecAggAbort("no consistent set of t shares to remove a survivor's self mask: "
+                              "round aborted")
+        masks = [prg_words(c[0].to_bytes(16, "little"), d, mmask) for c in b_secrets.values()]
+        total = total - np.stack(masks).sum(axis=0, dtype=np.uint64)
         t_self = time.perf_counter() - clock
         clock = time.perf_counter()
-        for u, kpts in k_pts.items():
-            s_pk = self._roster[u].s_pk
+        roster = self._roster
 
-            def check_s(c: list[int], s_pk: bytes = s_pk) -> bool:
-                if c[0] >= 1 << 128 or c[1] >= 1 << 128:
-                    return False
-                sk = X25519PrivateKey.from_private_bytes(
-                    c[0].to_bytes(16, "little") + c[1].to_bytes(16, "little"))
-                return _raw(sk.public_key()) == s_pk
+        def check_s(u: int, c: list[int]) -> bool:
+            if c[0] >= 1 << 128 or c[1] >= 1 << 128:
+                return False
+            sk = X25519PrivateKey.from_private_bytes(
+                c[0].to_bytes(16, "little") + c[1].to_bytes(16, "little"))
+            return _raw(sk.public_key()) == roster[u].s_pk
 
-            lo, hi = self._recover(u, kpts, check_s, "dropped client's masks")
-            s_sk_u = X25519PrivateKey.from_private_bytes(
-                lo.to_bytes(16, "little") + hi.to_bytes(16, "little"))
-            for v in self.neighbours[u]:
-                if v not in req.survivors:
-                    continue
-                peer = X25519PublicKey.from_public_bytes(self._roster[v].s_pk)
-                seed = _hkdf(s_sk_u.exchange(peer), _pair_info("pairwise", cfg.round_id, u, v))
-                p = prg_words(seed, cfg.vector_length, cfg.modulus_mask)
-                # survivor v added +p if v < u, else -p: undo it
-                total = total - p if v < u else total + p
+        if req.dropped:
+            k_secrets = self._secrets(k_tab, req.dropped, check_s, "dropped client's masks")
+            peers: dict[int, X25519PublicKey] = {}
+            plus, minus = [], []
+            for u, (lo, hi) in k_secrets.items():
+                s_sk_u = X25519PrivateKey.from_private_bytes(
+                    lo.to_bytes(16, "little") + hi.to_bytes(16, "little"))
+                for v in self.neighbours[u]:
+                    if v not in req.survivors:
+                        continue
+                    peer = peers.get(v)
+                    if peer is None:
+                        peer = peers[v] = X25519PublicKey.from_public_bytes(roster[v].s_pk)
+                    seed = _hkdf(s_sk_u.exchange(peer), _pair_info("pairwise", cfg.round_id, u, v))
+                    # survivor v added +p if v < u, else -p: undo it
+                    (minus if v < u else plus).append(prg_words(seed, d, mmask))
+            for book, sign in ((plus, 1), (minus, -1)):
+                if book:
+                    part = np.stack(book).sum(axis=0, dtype=np.uint64)
+                    total = total + part if sign > 0 else total - part
         t_drop = time.perf_counter() - clock
         return SecAggResult(
-            sum_quantised=total & mm,
+            sum_quantised=total & np.uint64(mmask),
             contributors=len(req.survivors),
             survivors=tuple(sorted(req.survivors)),
             dropped=tuple(sorted(req.dropped)),
@@ -1516,6 +1648,107 @@ class SecAggServer:
     def received_masked_inputs(self) -> dict[int, np.ndarray]:
         """What the server saw in round 2 (for audits and tests)."""
         return dict(self._masked)
+
+
+class _Shares:
+    """Unmasking shares of one kind, as flat arrays: owner (dense), share index, holder
+    (dense) and ``width`` 17-byte values per share (1: self-mask seed; 2: key halves)."""
+
+    def __init__(self, width: int) -> None:
+        self.width = width
+        self.owner: list[int] = []
+        self.index: list[int] = []
+        self.holder: list[int] = []
+        self.blobs: list[list[bytes]] = [[] for _ in range(width)]
+        self._last: dict[int, int] = {}  # holder id -> number of shares it added last
+
+    def add(self, u: int, shares: Mapping[int, Any], hmax: int) -> str:
+        """Append holder ``u``'s shares after structural checks; "" or the broken rule."""
+        vals = list(shares.values())
+        if not vals:
+            self._last[u] = 0
+            return ""
+        if set(map(type, vals)) != {tuple} or set(map(len, vals)) != {1 + self.width}:
+            return "unmasking: malformed share"
+        idx = [v[0] for v in vals]
+        if set(map(type, idx)) != {int} or min(idx) < 1 or max(idx) > hmax:
+            return "unmasking: share with a wrong index"
+        cols = [[v[1 + j] for v in vals] for j in range(self.width)]
+        for col in cols:
+            if set(map(type, col)) != {bytes} or set(map(len, col)) != {_SHARE_BYTES}:
+                return f"unmasking: share must be {_SHARE_BYTES} bytes below the field prime"
+        self.owner.extend(shares.keys())
+        self.index.extend(idx)
+        self.holder.extend([u] * len(vals))
+        for j in range(self.width):
+            self.blobs[j].append(b"".join(cols[j]))
+        self._last[u] = len(vals)
+        return ""
+
+    def drop_last(self, u: int) -> None:
+        """Undo the last :meth:`add` of holder ``u`` (its response was rejected)."""
+        m = self._last.pop(u, 0)
+        if m and self.holder[-m:] == [u] * m:
+            del self.owner[-m:], self.index[-m:], self.holder[-m:]
+            for j in range(self.width):
+                self.blobs[j].pop()
+
+    def check(self, dense: dict[int, int], holders: np.ndarray | None) -> dict[int, str]:
+        """Vectorised checks of every share; returns dense holder -> reason for failures."""
+        self.O = np.fromiter(map(dense.__getitem__, self.owner), dtype=np.int64,
+                             count=len(self.owner))
+        self.H = np.fromiter(map(dense.__getitem__, self.holder), dtype=np.int64,
+                             count=len(self.holder))
+        self.I = np.asarray(self.index, dtype=np.int64)
+        self.raw = [np.frombuffer(b"".join(col), dtype=np.uint8).reshape(-1, _SHARE_BYTES)
+                    for col in self.blobs]
+        if holders is None:  # complete graph: holder h is every owner's holder h + 1
+            wrong = self.I != self.H + 1
+        else:
+            wrong = holders[self.O, self.I - 1] != self.H
+        over = np.zeros(len(self.I), dtype=bool)
+        for raw in self.raw:  # v >= 2^130 - 5 <=> top byte > 3, or == 3 and v exact
+            top = raw[:, 16]
+            over |= top > 3
+            for r in np.flatnonzero(top == 3).tolist():
+                over[r] |= int.from_bytes(raw[r].tobytes(), "little") >= SHAMIR_PRIME
+        out: dict[int, str] = {}
+        for r in np.flatnonzero(wrong | over).tolist():
+            h = int(self.H[r])
+            if over[r]:
+                out.setdefault(h, f"unmasking: share must be {_SHARE_BYTES} bytes below the "
+                                  "field prime")
+            elif holders is not None and not np.any(holders[self.O[r]] == h):
+                out.setdefault(h, "unmasking: share of a client this one does not hold")
+            else:
+                out.setdefault(h, "unmasking: share with a wrong index")
+        return out
+
+    def discard(self, bad_holders: set[int]) -> None:
+        """Drop every share of these (dense) holders (after :meth:`check`)."""
+        if not bad_holders:
+            return
+        keep = ~np.isin(self.H, np.fromiter(bad_holders, dtype=np.int64, count=len(bad_holders)))
+        self.O, self.I, self.H = self.O[keep], self.I[keep], self.H[keep]
+        self.raw = [raw[keep] for raw in self.raw]
+
+    def groups(self) -> Any:
+        """Per owner (dense): share indices ascending, their rows, their holders (dense)."""
+        order = np.lexsort((self.I, self.O))
+        owners = self.O[order]
+        if not len(owners):
+            return
+        starts = np.flatnonzero(np.r_[True, owners[1:] != owners[:-1]])
+        ends = np.r_[starts[1:], len(owners)]
+        idx, holders, rows = self.I[order].tolist(), self.H[order].tolist(), order.tolist()
+        self._bytes = [memoryview(raw.tobytes()) for raw in self.raw]
+        for st, en, o in zip(starts.tolist(), ends.tolist(), owners[starts].tolist(), strict=True):
+            yield o, idx[st:en], rows[st:en], holders[st:en]
+
+    def values(self, rows: Sequence[int], j: int) -> list[int]:
+        """The field elements of column j at these rows."""
+        mv, w = self._bytes[j], _SHARE_BYTES
+        return [int.from_bytes(mv[r * w:(r + 1) * w], "little") for r in rows]
 
 
 # --------------------------------------------------------------------------

@@ -317,7 +317,7 @@ def _attacker_component_sum(cfg, masked, responses, part, dropped, s_pk):
 def test_partition_attack_leaks_an_arc_sum_without_the_connectivity_check(monkeypatch):
     """Negative control: with the clients' connectivity check disabled, the responses to
     the partition request let the server unmask the 14-client arc A on its own."""
-    monkeypatch.setattr(secagg, "_ring_connected", lambda ring, members, degree: True)
+    monkeypatch.setattr(secagg, "_connected_on_ring", lambda positions, n, degree: True)
     cfg, arc_a, arc_b, blocks = _component_attack()
     inputs = _inputs(cfg.n_clients, seed=5)
     server, clients, masked = _drive_to_masked_input(inputs, cfg, blocks)
@@ -579,7 +579,7 @@ def test_duplicate_masked_input_rejects_that_client():
 
 
 def _random_share():
-    return secagg._to_share(secagg.secrets.randbelow(secagg.SHAMIR_PRIME))
+    return secagg._to_share(secagg._random_field_elements(1)[0])
 
 
 @pytest.mark.parametrize("graph", ["complete", "secagg+"])
@@ -883,3 +883,38 @@ def test_evaluation_config_assumptions_give_safe_parameters_for_every_group_size
         secagg.secagg_plus_parameters(2, corrupted_fraction=0.05, dropout_fraction=0.1)
     with pytest.raises(ConfigError, match=r"evaluation.secagg_dropout_fraction.*less than 0.5"):
         validate_config({"evaluation": {"secagg_dropout_fraction": 0.5}})
+
+
+# ---------------------------------------------------------------- batched unmasking (issue 15)
+
+
+def test_one_set_of_lagrange_coefficients_serves_every_owner_whose_first_holders_answered():
+    cfg = _sparse_config(n=40)
+    inputs = _inputs(40, seed=18)
+    secagg._lagrange_at_zero.cache_clear()
+    res = run_secure_aggregation(inputs, cfg)
+    np.testing.assert_array_equal(res.sum_quantised, _plain_sum(inputs, range(40)))
+    # 40 self masks, no dropout: every owner's t lowest share indices are 1..t
+    assert secagg._lagrange_at_zero.cache_info().misses == 1
+    assert secagg._lagrange_at_zero.cache_info().hits == 39
+    secagg._lagrange_at_zero.cache_clear()
+    res = run_secure_aggregation(inputs, cfg, drop_before_masked_input=[3])
+    # one index set per pattern of missing low indices, far fewer than the 39 + 1 secrets
+    assert 1 < secagg._lagrange_at_zero.cache_info().misses < 15
+    np.testing.assert_array_equal(res.sum_quantised,
+                                  _plain_sum(inputs, [u for u in range(40) if u != 3]))
+
+
+def test_batched_share_check_rejects_exactly_the_values_outside_the_field():
+    p = secagg.SHAMIR_PRIME
+    table = secagg._Shares(1)
+    for holder, value in enumerate([p - 1, p, p + 4, 2**130 - 1, 3 << 128, 0]):
+        assert table.add(holder, {0: (holder + 1, value.to_bytes(17, "little"))}, 6) == ""
+    dense = {u: u for u in range(6)}
+    bad = table.check(dense, None)  # complete graph: holder h has index h + 1
+    assert sorted(bad) == [1, 2, 3]
+    assert all("below the field prime" in r for r in bad.values())
+    # an index that does not match the holder's rank is caught too
+    table2 = secagg._Shares(1)
+    assert table2.add(4, {0: (2, b"\x00" * 17)}, 6) == ""
+    assert table2.check(dense, None) == {4: "unmasking: share with a wrong index"}
