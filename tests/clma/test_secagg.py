@@ -918,3 +918,13 @@ def test_batched_share_check_rejects_exactly_the_values_outside_the_field():
     table2 = secagg._Shares(1)
     assert table2.add(4, {0: (2, b"\x00" * 17)}, 6) == ""
     assert table2.check(dense, None) == {4: "unmasking: share with a wrong index"}
+
+
+def test_prg_is_the_aes_ctr_keystream_from_counter_block_two():
+    from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+
+    for seed in (bytes(range(16)), bytes(range(32))):
+        counter = b"\x00" * 12 + (2).to_bytes(4, "big")
+        ks = Cipher(algorithms.AES(seed), modes.CTR(counter)).encryptor().update(bytes(8 * 40))
+        expect = np.frombuffer(ks, dtype="<u8") & np.uint64(2**32 - 1)
+        np.testing.assert_array_equal(secagg.prg_words(seed, 40, 2**32 - 1), expect)
