@@ -26,11 +26,15 @@ time of one client's work over the round, and "server s" is the server's total (
 the median of ``--repeat`` runs for n <= 1000, as the shared machine's load makes single
 runs noisy; flower: one run).  The ratio is ours / flower (server).  Flower's side is slow (pure-Python Shamir over
 GF(2^128) for 15+ chunks per secret and ECDH on P-384); ``--flower-max`` (default 1000)
-skips it for larger n.
+skips it for larger n; ``--flower-estimate`` then runs it on ``k + 2`` nodes with that n's
+degree and threshold (each node's server work -- one ``combine_shares`` of its k + 1
+shares, a self mask or a dead node's k pairwise masks -- depends on k and t, not on n)
+and prints the per-node server cost times n, marked "~".
 
     .venv/bin/python benchmarks/bench_secagg.py                 # 100, 1000, 10000
     .venv/bin/python benchmarks/bench_secagg.py --quick         # 100 only
     .venv/bin/python benchmarks/bench_secagg.py --sizes 10000 --flower-max 10000
+    .venv/bin/python benchmarks/bench_secagg.py --sizes 10000 --flower-estimate
 """
 
 from __future__ import annotations
@@ -282,6 +286,9 @@ def main() -> None:
                     help="runs of our side per n <= 1000 (median reported; one run above)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--verbose", action="store_true", help="Flower's stage times on stderr")
+    ap.add_argument("--flower-estimate", action="store_true",
+                    help="for n > --flower-max, run Flower on k + 2 nodes with n's degree and "
+                         "threshold and extrapolate its per-node server cost to n (marked ~)")
     args = ap.parse_args()
     sizes = args.sizes or ([100] if args.quick else [100, 1000, 10_000])
     print(f"vector length {D}, modulus 2^32, {args.dropout:.0%} silent before masked input, "
@@ -302,11 +309,21 @@ def main() -> None:
         runs = [ours(x, dropped, k, t, args.seed)
                 for _ in range(max(1, args.repeat) if n <= 1000 else 1)]
         a = {key: float(np.median([r[key] for r in runs])) for key in runs[0]}
-        b = flower(x, dropped, k, t, args.seed, args.verbose) if n <= args.flower_max else None
+        b, mark = None, " "
+        if n <= args.flower_max:
+            b = flower(x, dropped, k, t, args.seed, args.verbose)
+        elif args.flower_estimate:  # every node's server work depends on k and t, not on n
+            m = k + 2
+            small = flower(x[:m], list(range(max(1, round(args.dropout * m)))), k, t, args.seed,
+                           args.verbose)
+            b = {"client_ms": small["client_ms"], "server_s": small["server_s"] * n / m,
+                 "server_cpu_s": small["server_cpu_s"] * n / m}
+            mark = "~"
         ratio = a["server_s"] / b["server_s"] if b else float("nan")
-        rows[n] = (a, b, ratio)
-        fl = (f"{b['client_ms']:>17.1f} {b['server_s']:>10.2f} ({b['server_cpu_s']:>7.2f}) "
-              f"{ratio:>7.4f}" if b else f"{'(skipped)':>17} {'(skipped)':>20} {'-':>7}")
+        rows[n] = (a, b if mark == " " else None, ratio)
+        fl = (f"{mark}{b['client_ms']:>16.1f} {mark}{b['server_s']:>9.2f} "
+              f"({b['server_cpu_s']:>7.2f}) {ratio:>7.4f}" if b else
+              f"{'(skipped)':>17} {'(skipped)':>20} {'-':>7}")
         print(f"{n:>6} {k:>4} {t:>4} {len(dropped):>5} {a['client_ms']:>15.2f} "
               f"{a['server_s']:>10.3f} ({a['server_cpu_s']:>7.3f}) {fl}", flush=True)
     print(f"load average {' '.join(f'{v:.1f}' for v in os.getloadavg())} at the end")
