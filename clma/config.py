@@ -282,13 +282,6 @@ class EvaluationConfig(_Strict):
         description="Simulated probability that a client drops out of an evaluation "
         "round's secure aggregation (seeded).",
     )
-    secagg_threshold: Annotated[float, Field(gt=0.5, le=1.0)] = Field(
-        default=0.6,
-        description="Legacy: secure-aggregation threshold t as a fraction of each client's "
-        "share holders (a strict majority), with degree 2 ceil(log2 n). Superseded by "
-        "secagg_corrupted_fraction / secagg_dropout_fraction, from which "
-        "clma.privacy.secagg.secagg_plus_parameters derives degree and threshold.",
-    )
     secagg_corrupted_fraction: Annotated[float, Field(ge=0.0, lt=0.5)] = Field(
         default=0.05,
         description="Assumed fraction of clients colluding with the server (gamma): "

@@ -12,7 +12,7 @@ import pytest
 
 from clma.engine.evaluation import QUANTISATION_LEVELS, EvaluationState
 from clma.metrics import compute_device_report
-from clma.privacy.secagg import FixedPointQuantiser
+from clma.privacy.secagg import FixedPointQuantiser, secagg_plus_parameters
 from clma.release import FederatedMetricEnvelope
 from clma.sim.clients import simulated_dropouts
 from clma.sim.training import predict_proba
@@ -67,13 +67,19 @@ def test_secure_sums_equal_plain_sums_of_clipped_values(tiny_config, make_engine
 
 def test_dropouts_up_to_n_minus_t_still_release(tiny_config, make_engine, secure_sums,
                                                 device_reports):
-    cfg = tiny_config(evaluation={"secagg_threshold": 0.6})
+    """North: 7 clients, assumed dropouts 30 % capped by the floor (at most 7 - 5 = 2
+    may drop): the SecAgg+ graph of degree 4 and t = 3
+    (clma.privacy.secagg.secagg_plus_parameters); two dropouts leave 5 survivors, at the
+    floor and above t: the sum is exact."""
+    cfg = tiny_config(evaluation={"secagg_dropout_fraction": 0.3})
+    p = secagg_plus_parameters(7, corrupted_fraction=0.05, dropout_fraction=2 / 7 * (1 - 1e-9))
+    assert (p.degree, p.threshold) == (4, 3)
     probe = make_engine(cfg)
     north = _north(probe)
     engine = make_engine(cfg, drops={c: "masked_input" for c in north[:2]})
     sums = secure_sums(engine, 1)
-    g = sums.groups["north"]  # 7 clients, complete graph, t = 5
-    assert (len(north), g.threshold, g.contributors, g.dropped, g.status) == (7, 5, 5, 2, "ok")
+    g = sums.groups["north"]
+    assert (len(north), g.threshold, g.contributors, g.dropped, g.status) == (7, 3, 5, 2, "ok")
     q = device_reports(engine, 1)
     np.testing.assert_array_equal(g.sum_quantised, sum(q[c] for c in north[2:]) & MASK32)
     out = engine.evaluator.release_all(engine.evaluator.open_round(sums))
@@ -103,10 +109,16 @@ def test_dropouts_up_to_n_minus_t_still_release(tiny_config, make_engine, secure
 
 
 def test_below_threshold_region_is_not_evaluated(tiny_config, make_engine, secure_sums):
-    cfg = tiny_config(evaluation={"secagg_threshold": 0.9})  # north: t = 7 of 7
+    """Assuming 40 % corrupted clients and no dropouts, north's 7 clients need t = 5 of
+    each client's 5 holders: one client silent at unmasking aborts the group (never an
+    approximate sum)."""
+    cfg = tiny_config(evaluation={"secagg_corrupted_fraction": 0.4,
+                                  "secagg_dropout_fraction": 0.0})
+    p = secagg_plus_parameters(7, corrupted_fraction=0.4, dropout_fraction=0.0)
+    assert (p.degree, p.threshold) == (4, 5)
     engine = make_engine(cfg, drops={_north(make_engine(cfg))[0]: "unmasking"})
     sums = secure_sums(engine, 1)
-    assert (sums.groups["north"].status, sums.groups["north"].threshold) == ("aborted", 7)
+    assert (sums.groups["north"].status, sums.groups["north"].threshold) == ("aborted", 5)
     assert sums.groups["north"].sum is None
     out = engine.evaluator.release_all(engine.evaluator.open_round(sums))
     assert list(out.not_evaluated) == ["north"]
