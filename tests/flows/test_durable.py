@@ -135,7 +135,7 @@ def test_cohort_history_matches_uninterrupted_run(runs):
     assert republished["refused_releases"] == []
     assert s["final_cohorts"] == ref["final_cohorts"]
     assert len(s["final_cohorts"]) == 3  # the drift at round 3 split off two cohorts
-    assert s["ground_truth"]["ari_per_drift_event"] == {"3": 1.0}
+    assert s["sim_truth"]["ari_per_drift_event"] == {"3": 1.0}
     from clma.state import StateStore
 
     reg = StateStore(runs["state"]).load().json("registry.json")
