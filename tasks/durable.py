@@ -129,9 +129,12 @@ class DurableTracker(FederationTracker):
         return rid
 
     def _present_at(self, keys: list[str], step: int) -> set[str]:
+        from tasks.tracking import metric_key
+
         present = set()
-        for k in keys:
-            if any(m.step == step for m in self.client.get_metric_history(self._rid(), k)):
+        for k in keys:  # the name MLflow holds: a merged region's '+' is logged as '_'
+            history = self.client.get_metric_history(self._rid(), metric_key(k))
+            if any(m.step == step for m in history):
                 present.add(k)
         return present
 

@@ -110,21 +110,34 @@ def test_mlflow_run_holds_params_metrics_and_artifacts(small_run):
     assert sorted((m.step, m.value) for m in hist) == [
         (1, 1.0), (2, 1.0), (3, 3.0), (4, 3.0), (5, 3.0)
     ]
-    q = client.get_metric_history(run.info.run_id, "quarantined_clients")
-    assert {m.step: m.value for m in q}[3] == 6.0
+    # counts of clients never reach MLflow as numbers: the summary carries their bands
+    # the floor m = max(config 2, policy minimum_group_size); 6 quarantined clients
+    logged = set(run.data.metrics)
+    assert not {"quarantined_clients", "flagged_clients", "divergence.n_flagged",
+                "divergence.quarantined_atypical"} & logged
+    assert not [k for k in logged if k.endswith(("n_flagged", "n_reweighted", "n_clients"))]
+    from clma.release import count_band
+
+    from clma.engine.budget import policy_of
+
+    cfg = load_config(SMALL)
+    m = max(cfg.evaluation.min_cohort, policy_of(cfg).evaluation.minimum_group_size)
+    assert summary["rounds"][2]["quarantined_clients"] == count_band(6, m) != "none"
+    assert summary["rounds"][0]["quarantined_clients"] == "none"
     truth = client.get_metric_history(run.info.run_id, "sim_truth.stationary_accuracy")
     assert len(truth) == 5
-    # atypical clients: the acted-on count follows divergence.signal (default:
-    # representation); quarantined-and-flagged can only be non-zero when someone is quarantined
+    # atypical clients: distribution statistics per round, flagged counts as bands
     def by_step(key):
         return {m.step: m.value for m in client.get_metric_history(run.info.run_id, key)}
 
-    acted = by_step("divergence.n_flagged")
-    assert sorted(acted) == [1, 2, 3, 4, 5]
-    assert acted == by_step("divergence.representation.n_flagged")
-    both = by_step("divergence.quarantined_atypical")
-    assert both[1] == both[2] == 0.0
-    assert 0.0 <= both[3] <= min(6.0, acted[3])
+    assert sorted(by_step("divergence.representation.median")) == [1, 2, 3, 4, 5]
+    div3 = summary["rounds"][2]["divergence"]
+    from clma.release.aggregate import ParticipantBand
+
+    bands = {"none", "below_minimum", *(b.value for b in ParticipantBand)}
+    assert div3["n_flagged_band"] in bands
+    assert div3["representation"]["n_flagged_band"] in bands
+    assert "n_flagged" not in json.dumps(div3).replace("n_flagged_band", "")
     arts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"cohort_history.json", "summary.json", "reports"} <= arts
     reports = {a.path for a in client.list_artifacts(run.info.run_id, "reports")}
