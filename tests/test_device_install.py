@@ -20,12 +20,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# What a ClientApp imports: training, the on-device drift detector, the on-device metric
-# report and clipping, the secure-aggregation client, Flower's client helpers.
+# What a ClientApp imports: the client side of the Clients seam (clma.device: training,
+# the on-device drift detector, the on-device metric report and clipping, the
+# secure-aggregation client), the simulated clients, Flower's client helpers.
 DEVICE_MODULES = [
-    "clma.drift", "clma.params", "clma.metrics", "clma.release", "clma.privacy.secagg",
-    "clma.sim.models", "clma.sim.training", "clma.sim.federation", "clma.config",
-    "clma.flower.client", "clma.flower.private", "flwr.clientapp", "torch",
+    "clma.device", "clma.drift", "clma.params", "clma.metrics", "clma.release",
+    "clma.privacy.secagg", "clma.sim.models", "clma.sim.training", "clma.sim.federation",
+    "clma.sim.clients", "clma.config", "clma.flower.client", "clma.flower.private",
+    "flwr.clientapp", "torch",
 ]
 
 CHECK = """
