@@ -1,41 +1,47 @@
 # Two commands for a fresh machine (see README.md):
-#   make run   - create .venv, install, run the main job on the embedded default
-#   make test  - create .venv, install with the test extras, run the test suite
+#   make run   - create .venv, install the server side, run the main job on the embedded default
+#   make test  - create .venv, install everything (all extras + test tools), run the test suite
+# Both install with plain `pip install -e '.[EXTRAS]'`: every extra co-resolves (pyproject.toml).
+#   make device-venv - the lean install of a Flower SuperNode (flwr, torch, the library; no
+#                      Prefect, no MLflow) in .venv-device
 PYTHON ?= python3.11
 VENV   ?= .venv
 PY      = $(VENV)/bin/python
+DEVICE_VENV ?= .venv-device
+# what `make test` installs: the README's "everything" command, pip install -e '.[all,dev]'
+TEST_EXTRAS = all,dev
 
-.PHONY: run test lint bench clean-store chromium
+.PHONY: run test lint bench clean-store chromium device-venv
 
-$(VENV)/bin/python:
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
+$(VENV)/bin/python $(DEVICE_VENV)/bin/python: %/bin/python:
+	$(PYTHON) -m venv $*
+	$*/bin/python -m pip install -q --upgrade pip
 
+# One stamp per set of extras; a change of pyproject.toml re-installs.
 $(VENV)/.installed-%: pyproject.toml | $(VENV)/bin/python
 	$(PY) -m pip install -q -e '.[$*]'
 	touch $@
 
-run: $(VENV)/.installed-dev
+run: $(VENV)/.installed-server
 	$(VENV)/bin/clma run $(ARGS)
-
-# make test: extras dev + dask + flower. flwr's own pins conflict with prefect/the project's
-# (see requirements/flower-no-deps.txt), so Flower is added without its pins after the rest.
-$(VENV)/.installed-test: pyproject.toml requirements/flower-no-deps.txt | $(VENV)/bin/python
-	$(PY) -m pip install -q -e '.[dev,dask]'
-	$(PY) -m pip install -q --no-deps -r requirements/flower-no-deps.txt
-	touch $@
 
 # The browser test (tests/flows/test_browser_ui.py) drives Debian's Chromium (no browser
 # download): installed with apt when missing (needs root, as on CI).
 chromium:
 	@command -v chromium >/dev/null || (apt-get update -q && apt-get install -y -q chromium chromium-driver)
 
-test: $(VENV)/.installed-test chromium
+test: $(VENV)/.installed-$(TEST_EXTRAS) chromium
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
 
 lint: $(VENV)/.installed-dev
 	$(VENV)/bin/ruff check .
+
+$(DEVICE_VENV)/.installed-device: pyproject.toml | $(DEVICE_VENV)/bin/python
+	$(DEVICE_VENV)/bin/python -m pip install -q -e '.[device]'
+	touch $@
+
+device-venv: $(DEVICE_VENV)/.installed-device
 
 clean-store:
 	rm -rf mlflow/store runs

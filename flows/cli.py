@@ -264,6 +264,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # A device install (`clma[device]`: flwr + torch + the library) has the console script
+    # but no Prefect: say which install the command needs instead of a traceback.
+    from importlib.util import find_spec
+
+    if find_spec("prefect") is None:
+        print(f"clma {args.command}: needs the server side (Prefect, MLflow), not installed "
+              "here: pip install 'clma[server]'", file=sys.stderr)
+        return 2
     if args.command == "run":
         return _cmd_run(args)
     if args.command == "serve":

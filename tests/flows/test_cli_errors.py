@@ -189,3 +189,20 @@ def test_experiment_negative_seed_is_a_config_error(capsys, name, argv):
 
     assert main(["experiment", name, *argv]) == 2
     assert "seed: Input should be greater than or equal to 0" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ a device install
+# `clma[device]` installs the console script without Prefect: every subcommand says which
+# install it needs (one line, exit 2) instead of a traceback.
+
+
+@pytest.mark.parametrize("argv", [["run", "--quiet"], ["approve", "x", "--approver", "a"],
+                                  ["serve"], ["experiment", "atypical-client"]])
+def test_without_prefect_names_the_server_extra(capsys, monkeypatch, argv):
+    monkeypatch.setitem(sys.modules, "prefect", None)  # find_spec("prefect") -> None
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.strip().splitlines() == [
+        f"clma {argv[0]}: needs the server side (Prefect, MLflow), not installed here: "
+        "pip install 'clma[server]'"]

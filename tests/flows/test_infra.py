@@ -64,13 +64,13 @@ def test_compose_file_publishes_on_loopback_with_pinned_versions():
         for port in svc["ports"]:
             assert port.startswith("127.0.0.1:"), (name, port)
         assert "healthcheck" in svc
-    assert services["prefect-server"]["image"] == "prefecthq/prefect:3.9.1-python3.11"
+    assert services["prefect-server"]["image"] == "prefecthq/prefect:3.7.7-python3.11"
     assert "v3.17.2" in services["mlflow-server"]["image"]
     assert services["postgres"]["profiles"] == ["postgres"]
     cmd = services["mlflow-server"]["command"]
     assert cmd[cmd.index("--workers") + 1] == "1"
     pyproject = (ROOT / "pyproject.toml").read_text()
-    assert '"prefect==3.9.1"' in pyproject and '"mlflow==3.17.2"' in pyproject
+    assert '"prefect==3.7.7"' in pyproject and '"mlflow==3.17.2"' in pyproject
 
 
 def test_prefect_yaml_deployment_points_at_the_scheduled_flow():
