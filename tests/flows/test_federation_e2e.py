@@ -116,9 +116,8 @@ def test_mlflow_run_holds_params_metrics_and_artifacts(small_run):
     assert not {"quarantined_clients", "flagged_clients", "divergence.n_flagged",
                 "divergence.quarantined_atypical"} & logged
     assert not [k for k in logged if k.endswith(("n_flagged", "n_reweighted", "n_clients"))]
-    from clma.release import count_band
-
     from clma.engine.budget import policy_of
+    from clma.release import count_band
 
     cfg = load_config(SMALL)
     m = max(cfg.evaluation.min_cohort, policy_of(cfg).evaluation.minimum_group_size)
