@@ -79,12 +79,12 @@ approval_poll_seconds = 1.0
 def write_policy(tmp: Path, entries: str, *, epsilon_cap: float, epoch_rounds: int,
                  cadence: int) -> Path:
     """The shipped policy with another cap, epoch length and cadence, and ``entries``."""
-    text = (ROOT / "clma" / "policy" / "privacy_policy_v2.toml").read_text()
+    text = (ROOT / "clma" / "policy" / "privacy_policy_v3.toml").read_text()
     for key, value in (("epsilon_per_client_per_epoch", repr(epsilon_cap)),
                        ("epoch_length_rounds", str(epoch_rounds)),
                        ("regional_cadence_rounds", str(cadence))):
         text = re.sub(rf"(?m)^{key} = .*$", f"{key} = {value}", text)
-    text = text.replace('"clma-privacy-policy-v2"', '"clma-privacy-policy-test"')
+    text = text.replace('"clma-privacy-policy-v3"', '"clma-privacy-policy-test"')
     p = tmp / "policy.toml"
     p.write_text(text + "\n" + entries)
     return p

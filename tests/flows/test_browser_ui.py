@@ -56,7 +56,7 @@ def _signed_setup(tmp_path: Path, env: dict) -> tuple[Path, Path, Path]:
                         str(key)], env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     policy = tmp_path / "policy.toml"
-    policy.write_text((ROOT / "clma" / "policy" / "privacy_policy_v2.toml").read_text()
+    policy.write_text((ROOT / "clma" / "policy" / "privacy_policy_v3.toml").read_text()
                       + "\n" + r.stdout)
     config = tmp_path / "borrow_pause.toml"
     config.write_text(PAUSE.read_text().replace("[budget]\n", f'[budget]\npolicy = "{policy}"\n'))
