@@ -282,10 +282,23 @@ class EvaluationConfig(_Strict):
         description="Simulated probability that a client drops out of an evaluation "
         "round's secure aggregation (seeded).",
     )
-    secagg_threshold: Annotated[float, Field(gt=0.5, le=1.0)] = Field(
-        default=0.6,
-        description="Secure-aggregation threshold t as a fraction of each client's share "
-        "holders (a strict majority); below t survivors a group is not evaluated.",
+    secagg_corrupted_fraction: Annotated[float, Field(ge=0.0, lt=0.5)] = Field(
+        default=0.05,
+        description="Assumed fraction of clients colluding with the server (gamma): "
+        "secure aggregation stays private against it with probability >= "
+        "1 - 2^-secagg_statistical_security (clma.privacy.secagg).",
+    )
+    secagg_dropout_fraction: Annotated[float, Field(ge=0.0, lt=0.5)] = Field(
+        default=0.10,
+        description="Fraction of a group's clients that may drop out (delta): the secure "
+        "sum completes with probability >= 1 - 2^-secagg_correctness when at most this "
+        "many drop; choose it above the expected dropout rate.",
+    )
+    secagg_statistical_security: Annotated[int, Field(ge=20, le=128)] = Field(
+        default=40, description="sigma, bits of the secure-aggregation privacy bound."
+    )
+    secagg_correctness: Annotated[int, Field(ge=1, le=64)] = Field(
+        default=20, description="eta, bits of the secure-aggregation completion bound."
     )
     baseline_from_round: PositiveInt = Field(
         default=1,

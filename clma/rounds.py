@@ -27,7 +27,6 @@ and the ``param_selector``'s sub-vector for cohorting.
 from __future__ import annotations
 
 import math
-import warnings
 from collections import defaultdict
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -287,13 +286,12 @@ class DPFedAvgResult:
     """Result of :func:`dp_fedavg` for one cohort.
 
     ``model``: float32 ``(n_params,)``, the released cohort model. ``sigma``: standard
-    deviation of the Gaussian noise in each coordinate of ``model`` (fixed-denominator
-    estimator: ``noise_multiplier * 2 * clipping_bound / denominator``, whatever the
-    number of clients; legacy estimator: ``noise_multiplier * clipping_bound /
-    n_clients``). ``n_clients``: updates summed (server-side, never published);
+    deviation of the Gaussian noise in each coordinate of ``model``
+    (``noise_multiplier * 2 * clipping_bound / denominator``, whatever the number of
+    clients). ``n_clients``: updates summed (server-side, never published);
     ``n_clipped``: updates whose L2 norm exceeded the bound; ``noise_source``: ``opendp``
-    or ``seeded-simulation``. ``denominator``: the public denominator (``None`` for the
-    legacy estimator); ``estimator``: ``fixed_denominator`` or ``realised_n`` (legacy).
+    or ``seeded-simulation``; ``denominator``: the public denominator;
+    ``estimator``: ``fixed_denominator``.
     """
 
     model: np.ndarray
@@ -301,8 +299,8 @@ class DPFedAvgResult:
     n_clients: int
     n_clipped: int
     noise_source: str
-    denominator: float | None = None
-    estimator: str = "realised_n"
+    denominator: float
+    estimator: str = "fixed_denominator"
 
 
 def selection_size(population_size: int, participation: float) -> int:
@@ -375,23 +373,13 @@ def replace_one_sensitivity(clipping_bound: float) -> float:
     return 2.0 * c
 
 
-def _legacy_warning(what: str) -> None:
-    warnings.warn(
-        f"{what} without a denominator uses the realised-n estimator (noise"
-        " noise_multiplier * C / n on the mean): its noise level reveals n and it is not what"
-        " the replace-one training charge accounts; pass the public denominator(s)"
-        " (fixed-denominator estimator)",
-        DeprecationWarning, stacklevel=3,
-    )
-
-
 def dp_fedavg(
     client_params: Sequence[np.ndarray],
     reference: np.ndarray,
     *,
     clipping_bound: float,
     noise_multiplier: float,
-    denominator: float | None = None,
+    denominator: float,
     seed: int | np.random.Generator | None = None,
 ) -> DPFedAvgResult:
     """DP-FedAvg server step for one cohort with the fixed-denominator estimator
@@ -422,15 +410,11 @@ def dp_fedavg(
 
     Args:
         client_params: the cohort's client vectors, each float32 ``(n_params,)`` (may be
-            empty with a denominator).
+            empty: ``reference + noise / D`` is released).
         reference: the cohort model the clients started from, float32 ``(n_params,)``.
         clipping_bound: L2 bound ``C`` of one update (> 0).
         noise_multiplier: ``z`` (> 0), noise std over the replace-one sensitivity ``2 C``.
-        denominator: ``D`` (> 0, finite). ``None`` (deprecated, emits
-            ``DeprecationWarning``): the old realised-n estimator, noise
-            ``z C / n`` on the mean of ``n >= 1`` updates; its noise level reveals ``n``
-            and it is not what the replace-one charge accounts (its replace-one noise
-            multiplier is ``z / 2``).
+        denominator: ``D`` (> 0, finite), public and fixed before the round.
         seed: ``None`` draws from OpenDP's Gaussian sampler
             (:func:`clma.privacy.mechanisms.sample`); an int or Generator uses numpy
             (reproducible simulation, ``noise_source="seeded-simulation"``, not private).
@@ -440,7 +424,7 @@ def dp_fedavg(
 
     Raises:
         ValueError: mismatched shapes, non-finite vectors, a bad ``clipping_bound``,
-            ``noise_multiplier`` or ``denominator``; no clients without a denominator.
+            ``noise_multiplier`` or ``denominator``.
     """
     from clma.privacy.mechanisms import sample
 
@@ -450,17 +434,12 @@ def dp_fedavg(
     c = float(clipping_bound)
     if not (math.isfinite(c) and c > 0.0):
         raise ValueError("clipping_bound must be a positive finite number")
-    if denominator is None:
-        if not client_params:
-            raise ValueError("client_params: a cohort needs at least one client update"
-                             " (or pass a denominator)")
-    else:
-        try:
-            d = float(denominator)
-        except (TypeError, ValueError):
-            raise ValueError("denominator must be a positive finite number") from None
-        if isinstance(denominator, bool) or not (math.isfinite(d) and d > 0.0):
-            raise ValueError("denominator must be a positive finite number")
+    try:
+        d = float(denominator)
+    except (TypeError, ValueError):
+        raise ValueError("denominator must be a positive finite number") from None
+    if isinstance(denominator, bool) or not (math.isfinite(d) and d > 0.0):
+        raise ValueError("denominator must be a positive finite number")
     ref = np.asarray(reference, dtype=np.float64)
     if ref.ndim != 1 or not np.all(np.isfinite(ref)):
         raise ValueError("reference must be a finite 1-D vector")
@@ -474,13 +453,6 @@ def dp_fedavg(
         total += clipped
         n_clipped += int(was)
     n = len(client_params)
-    if denominator is None:
-        _legacy_warning("dp_fedavg")
-        sigma = z * c / n
-        noisy_mean, source = sample(total / n, sigma, mechanism="gaussian", seed=seed)
-        model = (ref + np.asarray(noisy_mean, dtype=np.float64)).astype(np.float32)
-        return DPFedAvgResult(model=model, sigma=sigma, n_clients=n, n_clipped=n_clipped,
-                              noise_source=str(source))
     noise_std = z * replace_one_sensitivity(c)
     noisy_sum, source = sample(total, noise_std, mechanism="gaussian", seed=seed)
     model = (ref + np.asarray(noisy_sum, dtype=np.float64) / d).astype(np.float32)
@@ -496,7 +468,7 @@ def dp_aggregate_per_cohort(
     *,
     clipping_bound: float,
     noise_multiplier: float,
-    denominators: Mapping[int, float] | None = None,
+    denominators: Mapping[int, float],
     seed: int | np.random.Generator | None = None,
 ) -> tuple[dict[int, np.ndarray], dict[int, DPFedAvgResult]]:
     """:func:`dp_fedavg` within each cohort over its non-quarantined members (the DP
@@ -506,8 +478,7 @@ def dp_aggregate_per_cohort(
     :func:`expected_participants`): the cohorts released this round. Each of them is
     released with the fixed-denominator estimator, also when none of its clients took part
     (its model is then ``reference + noise / D``: whether anyone took part is not
-    revealed); cohorts not in it keep their model. ``None`` (deprecated): the old
-    realised-n estimator on every cohort with a usable update (see :func:`dp_fedavg`).
+    revealed); cohorts not in it keep their model.
 
     ``seed``: an int derives one numpy stream per cohort (``default_rng([seed, cohort])``);
     a Generator is drawn from in increasing cohort order; ``None`` uses OpenDP. The
@@ -532,29 +503,21 @@ def dp_aggregate_per_cohort(
             return seed
         return np.random.default_rng([int(seed), int(cid)])
 
-    if denominators is None:
-        _legacy_warning("dp_aggregate_per_cohort")
-        released = sorted(groups)
-    else:
-        if not isinstance(denominators, Mapping):
-            raise ValueError("denominators must map cohort id -> denominator")
-        unknown = sorted(c for c in denominators if c not in cohort_models)
-        if unknown:
-            raise ValueError(f"denominators: cohort {unknown[0]} has no model in cohort_models")
-        missing = sorted(c for c in groups if c not in denominators)
-        if missing:
-            raise ValueError(f"denominators: cohort {missing[0]} has usable updates but no"
-                             " denominator (every released cohort needs its public denominator)")
-        released = sorted(denominators)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)  # warned once above
-        for cid in released:
-            members = groups.get(cid, [])
-            res = dp_fedavg(
-                [u.params for u in members], cohort_models[cid],
-                clipping_bound=clipping_bound, noise_multiplier=noise_multiplier,
-                denominator=None if denominators is None else denominators[cid],
-                seed=stream(cid))
-            out[cid] = res.model
-            results[cid] = res
+    if not isinstance(denominators, Mapping):
+        raise ValueError("denominators must map cohort id -> denominator")
+    unknown = sorted(c for c in denominators if c not in cohort_models)
+    if unknown:
+        raise ValueError(f"denominators: cohort {unknown[0]} has no model in cohort_models")
+    missing = sorted(c for c in groups if c not in denominators)
+    if missing:
+        raise ValueError(f"denominators: cohort {missing[0]} has usable updates but no"
+                         " denominator (every released cohort needs its public denominator)")
+    for cid in sorted(denominators):
+        members = groups.get(cid, [])
+        res = dp_fedavg(
+            [u.params for u in members], cohort_models[cid],
+            clipping_bound=clipping_bound, noise_multiplier=noise_multiplier,
+            denominator=denominators[cid], seed=stream(cid))
+        out[cid] = res.model
+        results[cid] = res
     return out, results

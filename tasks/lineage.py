@@ -298,7 +298,10 @@ class CohortLineageTracker:
                 return str(mv.version)
         module = vector_to_model(vector, engine.assets.model_spec.build(seed=0),
                                  AllParams()).eval()
-        example = np.zeros_like(np.asarray(engine.assets.probe_x[:2], dtype=np.float32))
+        spec = engine.assets.model_spec
+        n_features = getattr(spec, "n_features", None)  # the model's flat input (MLPSpec)
+        example = (np.zeros((2, int(n_features)), dtype=np.float32) if n_features is not None
+                   else np.zeros_like(np.asarray(engine.assets.probe_x[:2], dtype=np.float32)))
         logging.getLogger("mlflow").setLevel(logging.ERROR)
         with tempfile.TemporaryDirectory(prefix="clma-model-") as tmp:
             mlflow.pytorch.save_model(

@@ -60,6 +60,7 @@ versions, evaluation count) in ``ServerState.evaluation``.
 from __future__ import annotations
 
 import math
+import secrets
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -74,7 +75,7 @@ from clma.engine.secure_sum import run_sessions
 from clma.engine.state import ServerState
 from clma.metrics import DeviceMetricLayout
 from clma.privacy.mechanisms import error_bar, noise_scale
-from clma.privacy.secagg import FixedPointQuantiser, SecAggConfig, secagg_plus_degree
+from clma.privacy.secagg import FixedPointQuantiser, SecAggConfig, secagg_plus_parameters
 from clma.regions import RegionPartition
 from clma.release import (
     Alert,
@@ -314,10 +315,6 @@ class EvaluationRound:
 # ----------------------------------------------------------------------------- helpers
 
 
-def _threshold(holders: int, fraction: float) -> int:
-    return max(2, holders // 2 + 1, math.ceil(fraction * holders))
-
-
 def _clamped(m: AggregatedMetric) -> AggregatedMetric:
     """Post-processing: the published value is clamped to the clip range."""
     return m.model_copy(update={"value": float(np.clip(m.value, m.clip_low, m.clip_high))})
@@ -470,14 +467,44 @@ class PrivateEvaluator:
         return k > 0 and (self.state.evaluations_done + 1) % k == 0
 
     # ---------------------------------------------------------------- secure sums
-    def _session_config(self, name: str, n: int, round_number: int, dim: int) -> SecAggConfig:
-        degree = secagg_plus_degree(n)
-        holders = n if degree >= n - 1 else degree + 1
-        t = _threshold(holders, self.config.evaluation.secagg_threshold)
-        gseed = region_seed(self.config.seed * 1000 + round_number, name) % 2**31
-        return SecAggConfig(n_clients=n, threshold=t, vector_length=dim,
-                            quantisation_levels=QUANTISATION_LEVELS, neighbour_degree=degree,
-                            round_id=f"eval-{round_number}-{name}", graph_seed=gseed)
+    def session_config(self, name: str, members: Sequence[int], round_number: int,
+                       dim: int) -> SecAggConfig | None:
+        """The secure-aggregation parameters of one group (None: no safe parameters).
+
+        Degree k and threshold t come from the group size and the configured assumptions
+        (``evaluation.secagg_corrupted_fraction``, ``secagg_dropout_fraction``,
+        ``secagg_statistical_security``, ``secagg_correctness``) by
+        :func:`clma.privacy.secagg.secagg_plus_parameters` (Bell et al. 2020). The dropouts
+        tolerated are at most what the cohort floor allows (a sum over fewer than m
+        clients is never unmasked: clients refuse it, ``min_survivors = m``). The graph
+        seed is drawn from the operating system's CSPRNG (``secrets``), never from the
+        published federation seed -- except with seeded noise (experiments and tests,
+        labelled not private), where it is derived from (seed, round, group) so that a
+        simulation with dropouts is reproducible.
+        """
+        ev = self.config.evaluation
+        n, m = len(members), self.min_cohort
+        delta = ev.secagg_dropout_fraction
+        if n - math.ceil(delta * n) < m:
+            delta = max(0.0, (n - m) / n * (1.0 - 1e-9))  # ceil(delta n) <= n - m
+        try:
+            p = secagg_plus_parameters(
+                n, corrupted_fraction=ev.secagg_corrupted_fraction, dropout_fraction=delta,
+                statistical_security=ev.secagg_statistical_security,
+                correctness=ev.secagg_correctness)
+            return SecAggConfig(
+                n_clients=n, threshold=p.threshold, vector_length=dim,
+                quantisation_levels=QUANTISATION_LEVELS,
+                neighbour_degree=None if p.degree >= n - 1 else p.degree,
+                round_id=f"eval-{round_number}-{name}", graph_seed=(
+                    region_seed(self.config.seed * 1000 + round_number, name) % 2**63
+                    if ev.noise_seeded else secrets.randbits(63)),
+                corrupted_fraction=ev.secagg_corrupted_fraction, dropout_fraction=delta,
+                statistical_security=ev.secagg_statistical_security,
+                correctness=ev.secagg_correctness, min_survivors=max(m, 2),
+                client_ids=tuple(sorted(int(c) for c in members)))
+        except ValueError:
+            return None
 
     def secure_sums(self, clients: Clients, round_number: int, participants: Sequence[int],
                     region_of: Mapping[int, str], assignments: Mapping[int, int],
@@ -508,13 +535,17 @@ class PrivateEvaluator:
         groups = aggregation_groups(monitored, per_region, self.partition.neighbours, m)
         clients_of = {g: [c for c in ids if region_of[c] in mem] for g, mem in groups.items()}
         sessions: dict[str, SecAggSession] = {}
+        no_parameters: set[str] = set()
         name_of: dict[str, str] = {}
         thresholds: dict[str, int] = {}
         model_digest: dict[str, str] = {}
         for g, cs in sorted(clients_of.items()):
             if len(cs) < max(m, 2):
                 continue
-            cfg = self._session_config(g, len(cs), round_number, dim)
+            cfg = self.session_config(g, cs, round_number, dim)
+            if cfg is None:
+                no_parameters.add(g)
+                continue
             sessions[cfg.round_id] = SecAggSession(cfg.round_id, cfg, tuple(cs))
             name_of[cfg.round_id] = g
             thresholds[g] = cfg.threshold
@@ -552,7 +583,8 @@ class PrivateEvaluator:
             res = results.get(g)
             sel += n
             if res is None:
-                out[g] = GroupSum(g, groups[g], n, 0, "below_floor")
+                out[g] = GroupSum(g, groups[g], n, 0,
+                                  "aborted" if g in no_parameters else "below_floor")
                 continue
             drop += len(res.dropped)
             if res.summed is not None:

@@ -260,8 +260,14 @@ class FederationEngine:
         return self.check_replies(request, replies)
 
     def check_replies(self, request: TrainRequest, replies: Replies) -> Replies[ClientUpdate]:
+        if not (isinstance(replies, Replies) and isinstance(replies.ok, Mapping)
+                and isinstance(replies.failed, Mapping)):  # a broken transport's answer
+            return Replies({}, {c: "transport error: malformed replies"
+                                for c in request.assignments})
         out: Replies[ClientUpdate] = Replies({}, dict(replies.failed))
         for c, u in replies.ok.items():
+            if c in out.failed:  # reported failed as well: not used
+                continue
             why = check_update(u, request, self.assets.n_params)
             if why is None and u.client_id != c:
                 why = "reply filed under another client id"
@@ -276,15 +282,18 @@ class FederationEngine:
         return out
 
     def accept(self, ctx: RoundContext, replies: Iterable[Replies[ClientUpdate]]) -> None:
-        """Collect the checked replies of every chunk into ``ctx`` (selection order)."""
+        """Collect the checked replies of every chunk into ``ctx`` (selection order).
+        Failures of clients the round did not select are not its dropouts; a client
+        reported failed is not used even if a reply of it arrived."""
         ok: dict[int, ClientUpdate] = {}
+        selected = set(ctx.selected)
         for r in replies:
             ok.update(r.ok)
-            ctx.failed.update(r.failed)
+            ctx.failed.update({c: why for c, why in r.failed.items() if c in selected})
         for c in ctx.selected:
             if c not in ok and c not in ctx.failed:
                 ctx.failed[c] = "no reply"
-        ctx.updates = [ok[c] for c in ctx.selected if c in ok]
+        ctx.updates = [ok[c] for c in ctx.selected if c in ok and c not in ctx.failed]
 
     # ---------------------------------------------------------------- 3. quarantine
     def detect_drift(self, ctx: RoundContext) -> list[int]:

@@ -102,9 +102,10 @@ def run_sessions(clients: Clients, request: ReportRequest, *, floor: int,
     finish safely is ``aborted`` or ``below_floor``.
     """
     results: dict[str, SessionResult] = {}
+    servers: dict[str, SecAggServer] = {}
     for sid, sess in request.sessions.items():
-        results[sid] = SessionResult(sid, tuple(sess.members),
-                                     _server=SecAggServer(sess.config, sess.members))
+        servers[sid] = SecAggServer(sess.config, sess.members)
+        results[sid] = SessionResult(sid, tuple(sess.members), _server=servers[sid])
     rnd = request.round
 
     # step 1: reports computed on the device, public keys advertised
@@ -123,7 +124,11 @@ def run_sessions(clients: Clients, request: ReportRequest, *, floor: int,
         if not res.open:
             continue
         for u, ro in rosters[sid].items():
-            asked2.setdefault(u, {})[sid] = ShareKeysRequest(ro, tuple(res._server.neighbours[u]))
+            # the neighbours the session's graph fixes (the client checks them against its
+            # config), and the public keys of those of them that advertised (it shares
+            # only with those)
+            asked2.setdefault(u, {})[sid] = ShareKeysRequest(
+                ro, tuple(res._server.neighbours[u]))
     shares = clients.secagg_share_keys(rnd, asked2) if asked2 else Replies()
     inboxes: dict[int, dict[str, list]] = {}
     for sid, res in results.items():
@@ -177,7 +182,9 @@ def run_sessions(clients: Clients, request: ReportRequest, *, floor: int,
         res.sum_quantised, res.contributors, res._server = out.sum_quantised, out.contributors, None
         res.summed = tuple(out.survivors)
         res.dropped |= set(out.dropped)
-        if len(res.members) - len(res.dropped) < floor:
+        if len(res.members) - len(res.dropped | set(out.rejected)) < floor:
             res.sum_quantised, res.contributors = None, 0
             res.status, res.reason = "below_floor", "fewer clients than the cohort floor completed"
+    for sid, res in results.items():  # a client whose message was malformed is a dropout
+        res.dropped |= set(servers[sid].rejected)
     return results

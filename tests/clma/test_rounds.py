@@ -389,10 +389,8 @@ def test_dp_fedavg_noise_std_does_not_depend_on_the_realised_number_of_clients(s
     se_diff = sigma / np.sqrt(n_params - 1)
     assert max(stds.values()) - min(stds.values()) < 4 * se_diff
     # the same check rejects the old realised-n estimator (noise z C / n on the mean)
-    with pytest.warns(DeprecationWarning, match="denominator"):
-        old = {n: dp_fedavg([ref] * n, ref, clipping_bound=c, noise_multiplier=z, seed=7)
-               for n in (1, 10)}
-    old_noise = {n: r.model.astype(np.float64) - ref for n, r in old.items()}
+    old_rng = np.random.default_rng(7)
+    old_noise = {n: old_rng.normal(0.0, z * c / n, size=n_params) for n in (1, 10)}
     assert not _noise_std_check(old_noise[1], sigma) or not _noise_std_check(old_noise[10], sigma)
     assert abs(old_noise[1].std() - old_noise[10].std()) > 4 * se_diff
 
@@ -411,13 +409,10 @@ def test_dp_fedavg_rejects_a_bad_denominator(bad):
         dp_fedavg([ref], ref, clipping_bound=1.0, noise_multiplier=1.0, denominator=bad, seed=0)
 
 
-def test_dp_fedavg_without_denominator_is_the_deprecated_realised_n_estimator():
+def test_dp_fedavg_needs_a_denominator():
     ref = np.zeros(4, dtype=np.float32)
-    with pytest.warns(DeprecationWarning, match="realised-n estimator"):
-        res = dp_fedavg([ref] * 4, ref, clipping_bound=2.0, noise_multiplier=1.5, seed=1)
-    assert res.sigma == 1.5 * 2.0 / 4 and res.estimator == "realised_n" and res.denominator is None
-    with pytest.raises(ValueError, match="at least one client"):
-        dp_fedavg([], ref, clipping_bound=1.0, noise_multiplier=1.0, seed=0)
+    with pytest.raises(TypeError, match="denominator"):
+        dp_fedavg([ref] * 4, ref, clipping_bound=2.0, noise_multiplier=1.5, seed=1)
 
 
 def test_dp_aggregate_per_cohort_releases_exactly_the_cohorts_with_denominators():
@@ -460,9 +455,8 @@ def test_dp_aggregate_per_cohort_denominator_errors():
         dp_aggregate_per_cohort(ups, [], models, denominators={0: 1.0, 1: 1.0, 5: 1.0}, **kw)
     with pytest.raises(ValueError, match="denominator must be a positive"):
         dp_aggregate_per_cohort(ups, [], models, denominators={0: 1.0, 1: 0.0}, **kw)
-    with pytest.warns(DeprecationWarning):
-        _, legacy = dp_aggregate_per_cohort(ups, [], models, **kw)
-    assert {r.estimator for r in legacy.values()} == {"realised_n"}
+    with pytest.raises(TypeError, match="denominators"):
+        dp_aggregate_per_cohort(ups, [], models, **kw)
 
 
 def test_selection_size_and_expected_participants():
