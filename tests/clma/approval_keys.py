@@ -1,7 +1,7 @@
 """Approver keys for the borrowing tests: fixed Ed25519 test keys (Ed25519 signatures are
 deterministic, so tokens are reproducible byte for byte), the shipped policy with their
 public keys, and a helper that signs a decision for a request. Imported by
-``tests/clma/conftest.py`` and the tests (pytest puts this folder on ``sys.path``)."""
+``tests/clma/conftest.py`` and the tests (as ``tests.clma.approval_keys``: the repository root is on ``sys.path``)."""
 
 from __future__ import annotations
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from approval_keys import signed, signed_policy_text
 
 from clma.budget import load_policy
+from tests.clma.approval_keys import signed, signed_policy_text
 
 
 @pytest.fixture

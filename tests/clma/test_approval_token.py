@@ -9,7 +9,6 @@ import sqlite3
 import tomllib
 
 import pytest
-from approval_keys import key_entry, signed_policy_text, test_key
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
@@ -38,6 +37,7 @@ from clma.budget.approval_token import (
     sign_claims,
     verify_approval,
 )
+from tests.clma.approval_keys import key_entry, signed_policy_text, test_key
 
 REQUEST = BorrowRequest(
     epoch=3, line="evaluation.regional", epsilon=0.1, run_id="0b7f3c1e-2d4a-4c55-9e61-7a8b9c0d1e2f",
