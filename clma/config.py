@@ -204,7 +204,7 @@ class BudgetConfig(_Strict):
     policy: str | None = Field(
         default=None,
         description="Privacy policy TOML (a path, or the file name of a policy bundled in "
-        "clma/policy/); None = clma/policy/privacy_policy_v2.toml.",
+        "clma/policy/); None = clma/policy/privacy_policy_v3.toml.",
     )
 
     @field_validator("policy")

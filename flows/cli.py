@@ -60,15 +60,37 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_parser(sub)  # clma serve: the federation as a scheduled Prefect deployment
 
     appr = sub.add_parser(
-        "approve", help="answer a paused privacy-budget borrow request (same as the UI form)",
-        description="Resume a flow run paused at the budget-borrow approval gate. RUN_ID is "
-        "the paused approval run (or the federation/round run above it). Uses the Prefect API "
-        "of PREFECT_API_URL (or of PREFECT_HOME when no server is configured).",
+        "approve", help="sign and answer a paused privacy-budget borrow request",
+        description="Sign your decision on a flow run paused at the budget-borrow approval "
+        "gate with your Ed25519 key (clma keygen) and resume it. RUN_ID is the paused approval "
+        "run (or the federation/round run above it). The signature binds the federation, run, "
+        "epoch, line, epsilon and nonce of the request to your decision and reason. Uses the "
+        "Prefect API of PREFECT_API_URL (PREFECT_API_AUTH_STRING for an authenticated server), "
+        "or of PREFECT_HOME when no server is configured.",
     )
     appr.add_argument("run_id", metavar="RUN_ID", help="flow run id (UUID)")
     appr.add_argument("--approver", required=True, help="your name, as on the policy's allow-list")
+    appr.add_argument("--key", required=True, type=Path, metavar="FILE",
+                      help="your private key file (written by clma keygen; mode 0600)")
+    appr.add_argument("--reason", required=True, help="why (signed; recorded in the ledger and MLflow)")
     appr.add_argument("--deny", action="store_true", help="refuse the borrow (default: approve)")
-    appr.add_argument("--reason", default="", help="why (recorded in the ledger and MLflow)")
+    appr.add_argument("--token-only", action="store_true",
+                      help="print the signed token (for the Prefect UI form) and do not resume")
+    appr.add_argument("--wait", type=float, default=None, metavar="SECONDS",
+                      help="how long to wait for the run to be paused (default 30)")
+
+    keygen = sub.add_parser(
+        "keygen", help="make an approver's Ed25519 key pair and print its policy entry",
+        description="Write a new Ed25519 private key (PKCS#8 PEM, mode 0600; keep it outside "
+        "the repository) and print the [[borrowing.approver_keys]] entry to paste into the "
+        "policy file. The private key is never printed unless --print-private-key is given.",
+    )
+    keygen.add_argument("--approver", required=True, help="the approver's name on the allow-list")
+    keygen.add_argument("--out", type=Path, default=None, metavar="FILE",
+                        help="private key file (default: $CLMA_KEY_DIR or "
+                        "~/.config/clma/keys, file <approver>.ed25519.pem); never overwritten")
+    keygen.add_argument("--print-private-key", action="store_true",
+                        help="also print the private key PEM to stdout (e.g. for a secret store)")
 
     from flows import experiments
 
@@ -262,6 +284,35 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_approve(args: argparse.Namespace) -> int:
+    _quiet_prefect_defaults()
+    from flows.approval import DEFAULT_WAIT_SECONDS, ApprovalError, approve_run
+
+    wait = DEFAULT_WAIT_SECONDS if args.wait is None else args.wait
+    try:
+        if not 0 <= wait <= 3600:
+            raise ApprovalError("--wait: seconds in [0, 3600]")
+        res = approve_run(args.run_id, args.approver, key_file=args.key, reason=args.reason,
+                          approve=not args.deny, token_only=args.token_only, wait_seconds=wait)
+    except ApprovalError as exc:
+        print(f"clma approve: {exc}", file=sys.stderr)
+        return 2
+    req = res.request
+    decision = "deny" if args.deny else "approve"
+    print(f"clma approve: signed with {res.key_id}: {decision} federation {req['federation']!r}, "
+          f"run {req['run_id']}, epoch {req['epoch']}, line {req['line']}, epsilon "
+          f"{req['epsilon']!r}, nonce {req['nonce']}", file=sys.stderr)
+    if args.token_only:
+        print(f"clma approve: in the Prefect UI (Resume on run {res.run_id}) enter approver "
+              f"{args.approver!r}, approve {'off' if args.deny else 'on'}, the same reason, and "
+              "this token:", file=sys.stderr)
+        print(res.token)
+        return 0
+    print(json.dumps({"resumed": res.run_id, "approver": args.approver, "approve": not args.deny,
+                      "key_id": res.key_id, "nonce": req["nonce"]}))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # A device install (`clma[device]`: flwr + torch + the library) has the console script
@@ -280,16 +331,11 @@ def main(argv: list[str] | None = None) -> int:
 
         return cli_serve(args)
     if args.command == "approve":
-        _quiet_prefect_defaults()
-        from flows.approval import ApprovalError, approve_run
+        return _cmd_approve(args)
+    if args.command == "keygen":
+        from flows.keys import cli_keygen
 
-        try:
-            rid = approve_run(args.run_id, args.approver, approve=not args.deny, reason=args.reason)
-        except ApprovalError as exc:
-            print(f"clma approve: {exc}", file=sys.stderr)
-            return 2
-        print(json.dumps({"resumed": rid, "approver": args.approver, "approve": not args.deny}))
-        return 0
+        return cli_keygen(args)
     if args.command == "experiment":
         _quiet_prefect_defaults()
         from flows import experiments

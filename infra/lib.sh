@@ -22,6 +22,37 @@ check_loopback() {  # HOST: only loopback addresses are served
     esac
 }
 
+# load_env_file FILE: export the VAR=value lines of FILE, the place for secrets (auth strings,
+# passwords). Refused when group or others may read FILE, or when FILE lies inside the
+# project checkout without being git-ignored: secrets stay out of the repository.
+load_env_file() {
+    local f=$1 mode
+    [ -f "$f" ] || die "CLMA_ENV_FILE '$f' is not a file"
+    mode=$(stat -c %a "$f")
+    case "$mode" in
+        *00) ;;
+        *) die "CLMA_ENV_FILE '$f': mode $mode lets group or others read it; run: chmod 600 '$f'" ;;
+    esac
+    case "$(cd "$(dirname "$f")" && pwd)/" in
+        "$CLMA_ROOT"/*)
+            if ! git -C "$CLMA_ROOT" check-ignore -q "$f" 2>/dev/null; then
+                die "CLMA_ENV_FILE '$f' is inside the checkout and not git-ignored; keep secrets outside the repository"
+            fi ;;
+    esac
+    set -a
+    # shellcheck disable=SC1090
+    . "$f"
+    set +a
+}
+
+require_auth() {  # true when CLMA_REQUIRE_AUTH asks the scripts to refuse unauthenticated servers
+    case "${CLMA_REQUIRE_AUTH:-false}" in
+        1|true|yes) return 0 ;;
+        0|false|no|"") return 1 ;;
+        *) die "CLMA_REQUIRE_AUTH='$CLMA_REQUIRE_AUTH': use true or false" ;;
+    esac
+}
+
 check_port() {  # PORT must be an integer in 1..65535
     case "$1" in ''|*[!0-9]*) die "port '$1' is not a number" ;; esac
     [ "$1" -ge 1 ] && [ "$1" -le 65535 ] || die "port '$1' is outside 1..65535"

@@ -47,6 +47,7 @@ def report_budget_round(budget: BudgetState, tracker: Any | None, round_number: 
             key = f"clma.budget.borrow.e{b['epoch']}.{b['line']}"
             tags[f"{key}.decision"] = "approved" if b["approved"] else f"refused:{b['refusal']}"
             tags[f"{key}.approver"] = b["approver"] or ""
+            tags[f"{key}.approver_key_id"] = b["approver_key_id"] or ""
             tags[f"{key}.reason"] = (b["approver_reason"] or "")[:1000]
             tags[f"{key}.epsilon"] = repr(float(b["epsilon"]))
         if tags:

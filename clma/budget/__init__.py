@@ -23,6 +23,7 @@ from clma.budget.ledger import (
     ReservationStatus,
 )
 from clma.budget.policy import (
+    ApproverKey,
     BorrowApproval,
     BorrowDecision,
     BorrowRefusal,
@@ -41,6 +42,7 @@ __all__ = [
     "ADJACENCY_NAME",
     "DEFAULT_LEDGER_FILENAME",
     "AccountingError",
+    "ApproverKey",
     "BorrowApproval",
     "BorrowDecision",
     "BorrowRefusal",

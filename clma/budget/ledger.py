@@ -53,7 +53,9 @@ Concurrency: every read-check-write runs in ``BEGIN IMMEDIATE`` (one writer at a
 across threads and processes); each operation opens its own connection.
 
 Borrowing and back-off: :meth:`PrivacyLedger.record_borrow_decision` (called by
-:func:`clma.budget.policy.decide_borrow`) and :meth:`PrivacyLedger.freeze_training`.
+:func:`clma.budget.policy.decide_borrow`; it verifies the signed approval token before it
+writes, and records the signing key's id, the request's nonce and the token, or the
+refused token's reason) and :meth:`PrivacyLedger.freeze_training`.
 Every charge, refusal and decision records the policy version.
 """
 
@@ -75,6 +77,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict
 
 from clma.budget.accounting import ADJACENCY_NAME, CompositionResult, MechanismEvent, compose
+from clma.budget.approval_token import verify_approval
 from clma.budget.policy import (
     BorrowApproval,
     BorrowDecision,
@@ -252,6 +255,19 @@ def _canonical(obj: object) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False)
 
 
+#: Columns of ``borrows`` added with signed approvals; ledgers written before them gain
+#: them (empty) when opened.
+_BORROW_SIGNATURE_COLUMNS = ("approver_key_id", "refusal_detail", "request_nonce",
+                             "approval_token")
+
+
+def _add_borrow_signature_columns(con: sqlite3.Connection) -> None:
+    have = {row[1] for row in con.execute("PRAGMA table_info(borrows)")}
+    for column in _BORROW_SIGNATURE_COLUMNS:
+        if column not in have:
+            con.execute(f"ALTER TABLE borrows ADD COLUMN {column} TEXT")
+
+
 class PrivacyLedger:
     """Durable privacy-budget ledger for one federation.
 
@@ -285,6 +301,7 @@ class PrivacyLedger:
             con.execute("PRAGMA journal_mode=WAL")
             con.executescript(_SCHEMA)
             with self._tx(con):
+                _add_borrow_signature_columns(con)
                 con.execute(
                     "INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (_SCHEMA_VERSION,)
                 )
@@ -726,9 +743,13 @@ class PrivacyLedger:
         self, request: BorrowRequest, approval: BorrowApproval | None
     ) -> BorrowDecision:
         """Decide (with :func:`~clma.budget.policy.evaluate_borrow`) and record a borrow
-        in one transaction; on refusal freeze training for the epoch. Use
-        :func:`clma.budget.policy.decide_borrow`."""
+        in one transaction; on refusal freeze training for the epoch. The approval's
+        signed token is verified (:func:`~clma.budget.approval_token.verify_approval`)
+        before the transaction. Use :func:`clma.budget.policy.decide_borrow`."""
         epoch, line = request.epoch, request.line
+        check = None
+        if approval is not None and approval.approver in self.policy.borrowing.approvers:
+            check = verify_approval(request, approval, self.policy)
         with self._connect() as con, self._tx(con):
             self._ensure_epoch(con, epoch)
             self._ensure_epoch(con, epoch + 1)
@@ -739,6 +760,7 @@ class PrivacyLedger:
             refusal = evaluate_borrow(
                 request, approval, self.policy,
                 borrows_approved_this_epoch=int(n_approved), next_epoch_line_epsilon=next_base,
+                token_check=check,
             )
             if refusal is None:
                 # The next epoch must still cover what it already spent on that line.
@@ -751,16 +773,21 @@ class PrivacyLedger:
                     refusal = BorrowRefusal.EXCEEDS_BORROW_LIMIT
             approved = refusal is None
             frozen = not approved
+            signed = check is not None and check.refusal is None
+            key_id = check.key_id if signed else None
+            detail = check.detail if check is not None and refusal is check.refusal else ""
             cur = con.execute(
                 "INSERT INTO borrows (epoch, line, epsilon, approved, refusal, approver,"
                 " approver_reason, run_id, request_reason, training_frozen, policy_version,"
-                " decided_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                " decided_at, approver_key_id, refusal_detail, request_nonce, approval_token)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (epoch, line.value, request.epsilon, int(approved),
                  None if refusal is None else refusal.value,
                  None if approval is None else approval.approver,
                  "" if approval is None else approval.reason,
                  request.run_id, request.reason, int(frozen),
-                 self.policy.policy_version, _now()),
+                 self.policy.policy_version, _now(), key_id, detail, request.nonce,
+                 approval.token.strip() if signed else None),
             )
             if frozen:
                 con.execute("UPDATE epoch_state SET training_frozen=1 WHERE epoch=?", (epoch,))
@@ -768,6 +795,7 @@ class PrivacyLedger:
                 "borrow_id": cur.lastrowid, "line": line.value,
                 "refusal": None if refusal is None else refusal.value,
                 "approver": None if approval is None else approval.approver,
+                "approver_key_id": key_id, "refusal_detail": detail,
             })
             return BorrowDecision(
                 decision_id=int(cur.lastrowid), epoch=epoch, line=line, epsilon=request.epsilon,
@@ -775,6 +803,7 @@ class PrivacyLedger:
                 approver=None if approval is None else approval.approver,
                 approver_reason="" if approval is None else approval.reason,
                 training_frozen=frozen, policy_version=self.policy.policy_version,
+                approver_key_id=key_id, refusal_detail=detail,
             )
 
     # ------------------------------------------------------------------ reporting
@@ -904,13 +933,18 @@ class PrivacyLedger:
         return out
 
     def borrows(self, epoch: int | None = None) -> list[dict]:
-        """Audit view of every borrowing decision."""
+        """Audit view of every borrowing decision: ``approver_key_id`` (the key that signed
+        an accepted approval), ``refusal_detail`` (what failed in a refused token),
+        ``request_nonce`` and ``approval_token`` (the accepted signed token: anyone with
+        the policy can verify it again)."""
         q = ("SELECT id, epoch, line, epsilon, approved, refusal, approver, approver_reason,"
-             " run_id, training_frozen, policy_version, decided_at FROM borrows")
+             " run_id, training_frozen, policy_version, decided_at, approver_key_id,"
+             " refusal_detail, request_nonce, approval_token FROM borrows")
         args: tuple = ()
         if epoch is not None:
             q, args = q + " WHERE epoch=?", (epoch,)
         cols = ["id", "epoch", "line", "epsilon", "approved", "refusal", "approver",
-                "approver_reason", "run_id", "training_frozen", "policy_version", "decided_at"]
+                "approver_reason", "run_id", "training_frozen", "policy_version", "decided_at",
+                "approver_key_id", "refusal_detail", "request_nonce", "approval_token"]
         with self._connect() as con:
             return [dict(zip(cols, r, strict=True)) for r in con.execute(q + " ORDER BY id", args)]

@@ -2,7 +2,7 @@
 
 The federation's :class:`~clma.budget.PrivacyLedger` (SQLite, in ``budget.state_dir``) and
 its :class:`~clma.budget.PrivacyPolicy` (``budget.policy``, default the shipped
-``clma/policy/privacy_policy_v1.toml``) live in a :class:`BudgetState` opened once per
+``clma/policy/privacy_policy_v3.toml``) live in a :class:`BudgetState` opened once per
 federation run (:func:`open_budget`).
 
 Rounds. Flows count rounds from 1, the ledger from 0: ledger round = ``round - 1`` and the
@@ -400,7 +400,7 @@ def budgeted_evaluation(
             request = BorrowRequest(
                 epoch=epoch, line=plan.line,
                 epsilon=_borrow_amount(budget, plans, round_number, plan.line, res),
-                run_id=run_id[:128],
+                run_id=run_id[:128], federation=budget.config.name[:200],
                 reason=f"round {round_number}: release '{plan.name}' would exceed "
                        f"the {plan.line.value} line of epoch {epoch}",
             )

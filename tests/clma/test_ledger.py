@@ -34,7 +34,7 @@ from clma.budget import (
 )
 
 G, R, T = LineItem.EVALUATION_GLOBAL, LineItem.EVALUATION_REGIONAL, LineItem.TRAINING
-POLICY_TEXT = resources.files("clma").joinpath("policy", "privacy_policy_v2.toml").read_text()
+POLICY_TEXT = resources.files("clma").joinpath("policy", "privacy_policy_v3.toml").read_text()
 LAP = MechanismEvent.laplace
 
 
@@ -218,14 +218,14 @@ def test_processes_never_exceed_the_cap(tmp_path):
     assert len(led.entries(1)) == 6
 
 
-def test_concurrent_borrow_approvals_borrow_once(tmp_path):
-    led = PrivacyLedger(tmp_path / "s")
+def test_concurrent_borrow_approvals_borrow_once(signed_ledger, sign):
+    led = signed_ledger
     decisions = []
 
     def approve() -> None:
         decisions.append(decide_borrow(
-            BorrowRequest(epoch=0, line=G, epsilon=0.5),
-            BorrowApproval(approver="privacy-officer", approve=True), led.policy, led))
+            *sign(BorrowRequest(epoch=0, line=G, epsilon=0.5), "privacy-officer"),
+            led.policy, led))
 
     threads = [threading.Thread(target=approve) for _ in range(6)]
     for th in threads:
@@ -368,13 +368,14 @@ def _exhaust_global(led, rnd=0):
     assert _charge(led, rnd, f"g.more.{rnd}", G, [LAP(0.5)]).refused
 
 
-def test_borrow_once_per_epoch_with_an_allowed_approver(ledger):
+def test_borrow_once_per_epoch_with_an_allowed_approver(signed_ledger, sign):
+    ledger = signed_ledger
     _exhaust_global(ledger)
-    d = decide_borrow(BorrowRequest(epoch=0, line=G, epsilon=0.5, run_id="run-a"),
-                      BorrowApproval(approver="privacy-officer", approve=True, reason="alerting"),
+    d = decide_borrow(*sign(BorrowRequest(epoch=0, line=G, epsilon=0.5, run_id="run-a"),
+                            "privacy-officer", reason="alerting"),
                       ledger.policy, ledger)
     assert d.approved and d.refusal is None and not d.training_frozen
-    assert d.policy_version == "clma-privacy-policy-v2"
+    assert d.policy_version == "clma-privacy-policy-v3"
     assert _charge(ledger, 1, "g.more.after", G, [LAP(0.5)]).status is ReservationStatus.GRANTED
     rows = {(r.epoch, r.line_item): r for r in ledger.table()}
     assert rows[(0, "evaluation.global")].cap_epsilon == 2.0
@@ -384,14 +385,14 @@ def test_borrow_once_per_epoch_with_an_allowed_approver(ledger):
     assert rows[(1, "evaluation.global")].lent_epsilon == 0.5
     assert rows[(0, "evaluation")].cap_epsilon == 3.5
     # a second borrow in the same epoch is refused and recorded, even for another line
-    d2 = decide_borrow(BorrowRequest(epoch=0, line=R, epsilon=0.1),
-                       BorrowApproval(approver="dpo-deputy", approve=True), ledger.policy, ledger)
+    d2 = decide_borrow(*sign(BorrowRequest(epoch=0, line=R, epsilon=0.1), "dpo-deputy"),
+                       ledger.policy, ledger)
     assert not d2.approved and d2.refusal is BorrowRefusal.ALREADY_BORROWED_THIS_EPOCH
     assert [b["approved"] for b in ledger.borrows(0)] == [1, 0]
     assert ledger.borrows(0)[1]["refusal"] == "already_borrowed_this_epoch"
     # the next epoch may borrow once itself
-    d3 = decide_borrow(BorrowRequest(epoch=1, line=G, epsilon=0.25),
-                       BorrowApproval(approver="dpo-deputy", approve=True), ledger.policy, ledger)
+    d3 = decide_borrow(*sign(BorrowRequest(epoch=1, line=G, epsilon=0.25), "dpo-deputy"),
+                       ledger.policy, ledger)
     assert d3.approved
 
 
@@ -419,33 +420,36 @@ def test_non_allow_listed_approver_refused_recorded_and_training_backs_off(ledge
 
 
 @pytest.mark.parametrize(
-    ("approval", "eps", "reason"),
+    ("approve", "eps", "reason"),
     [
         (None, 0.5, BorrowRefusal.TIMEOUT),
-        (BorrowApproval(approver="privacy-officer", approve=False, reason="no"), 0.5,
-         BorrowRefusal.DENIED),
-        (BorrowApproval(approver="privacy-officer", approve=True), 0.8,
-         BorrowRefusal.EXCEEDS_BORROW_LIMIT),
+        (False, 0.5, BorrowRefusal.DENIED),
+        (True, 0.8, BorrowRefusal.EXCEEDS_BORROW_LIMIT),
     ],
 )
-def test_timeout_denial_and_limit_refused_and_freeze_training(ledger, approval, eps, reason):
-    d = decide_borrow(BorrowRequest(epoch=0, line=G, epsilon=eps), approval, ledger.policy, ledger)
+def test_timeout_denial_and_limit_refused_and_freeze_training(signed_ledger, sign, approve, eps,
+                                                              reason):
+    ledger = signed_ledger
+    request, approval = sign(BorrowRequest(epoch=0, line=G, epsilon=eps), "privacy-officer",
+                             approve=bool(approve), reason="no")
+    d = decide_borrow(request, None if approve is None else approval, ledger.policy, ledger)
     assert d.refusal is reason and d.training_frozen
     assert ledger.borrows(0)[0]["refusal"] == reason.value
     assert ledger.table(0)[0].training_frozen
     assert ledger.table(0)[2].cap_epsilon == 1.5
 
 
-def test_borrow_refused_when_the_next_epoch_already_spent_it(ledger):
+def test_borrow_refused_when_the_next_epoch_already_spent_it(signed_ledger, sign):
+    ledger = signed_ledger
     _charge(ledger, 10, "g.next", G, [LAP(1.25)])  # epoch 1 already spent 1.25 of 1.5
-    d = decide_borrow(BorrowRequest(epoch=0, line=G, epsilon=0.5),
-                      BorrowApproval(approver="privacy-officer", approve=True), ledger.policy, ledger)
+    d = decide_borrow(*sign(BorrowRequest(epoch=0, line=G, epsilon=0.5), "privacy-officer"),
+                      ledger.policy, ledger)
     assert d.refusal is BorrowRefusal.EXCEEDS_BORROW_LIMIT
 
 
 def test_decide_borrow_requires_the_ledger_policy(tmp_path, ledger):
     other = tmp_path / "other.toml"
-    other.write_text(POLICY_TEXT.replace('"clma-privacy-policy-v2"', '"clma-privacy-policy-v3"'))
+    other.write_text(POLICY_TEXT.replace('"clma-privacy-policy-v3"', '"clma-privacy-policy-v4"'))
     with pytest.raises(PolicyError, match="policy_version"):
         decide_borrow(BorrowRequest(epoch=0, line=G, epsilon=0.1), None, load_policy(other), ledger)
 
@@ -459,24 +463,24 @@ def test_policy_version_recorded_everywhere_and_caps_fixed_per_epoch(tmp_path):
     _charge(led, 0, "g", G, [LAP(0.5)])
     led.freeze_training(0, "manual")
     decide_borrow(BorrowRequest(epoch=0, line=G, epsilon=0.1), None, led.policy, led)
-    v3_file = tmp_path / "v3.toml"
-    v3_file.write_text(POLICY_TEXT.replace('"clma-privacy-policy-v2"', '"clma-privacy-policy-v3"')
+    v4_file = tmp_path / "v4.toml"
+    v4_file.write_text(POLICY_TEXT.replace('"clma-privacy-policy-v3"', '"clma-privacy-policy-v4"')
                        .replace("epsilon_per_client_per_epoch = 10.0",
                                 "epsilon_per_client_per_epoch = 20.0"))
-    led2 = PrivacyLedger(path, load_policy(v3_file))
+    led2 = PrivacyLedger(path, load_policy(v4_file))
     _charge(led2, 20, "g", G, [LAP(0.5)])
     assert [e["policy_version"] for e in led2.entries()] == [
-        "clma-privacy-policy-v2", "clma-privacy-policy-v3"]
+        "clma-privacy-policy-v3", "clma-privacy-policy-v4"]
     assert all(d["policy_version"] for d in led2.decisions())
     assert {d["kind"] for d in led2.decisions()} >= {
         "policy_opened", "training_frozen", "borrow_refused"}
-    assert [b["policy_version"] for b in led2.borrows()] == ["clma-privacy-policy-v2"]
+    assert [b["policy_version"] for b in led2.borrows()] == ["clma-privacy-policy-v3"]
     rows = {(r.epoch, r.line_item): r for r in led2.table()}
-    # epoch 0 keeps the caps of the policy in force when it started; epoch 2 uses v3
+    # epoch 0 keeps the caps of the policy in force when it started; epoch 2 uses v4
     assert rows[(0, "evaluation.global")].cap_epsilon == 1.5
-    assert rows[(0, "evaluation.global")].policy_version == "clma-privacy-policy-v2"
+    assert rows[(0, "evaluation.global")].policy_version == "clma-privacy-policy-v3"
     assert rows[(2, "evaluation.global")].cap_epsilon == 3.0
-    assert rows[(2, "evaluation.global")].policy_version == "clma-privacy-policy-v3"
+    assert rows[(2, "evaluation.global")].policy_version == "clma-privacy-policy-v4"
 
 
 def test_table_rows_and_columns(ledger):
@@ -526,7 +530,7 @@ def _lifetime_policy(tmp_path, epsilon="12.0", delta="5e-5"):
     text = (POLICY_TEXT
             .replace("lifetime_epsilon_per_client = 50.0", f"lifetime_epsilon_per_client = {epsilon}")
             .replace("lifetime_delta_per_client = 5e-5", f"lifetime_delta_per_client = {delta}")
-            .replace('"clma-privacy-policy-v2"', '"clma-privacy-policy-lifetime-test"'))
+            .replace('"clma-privacy-policy-v3"', '"clma-privacy-policy-lifetime-test"'))
     path = tmp_path / "lifetime.toml"
     path.write_text(text)
     return load_policy(path)

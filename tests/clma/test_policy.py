@@ -20,10 +20,12 @@ from clma.budget.policy import (
     load_policy,
 )
 
-POLICY_TEXT = resources.files("clma").joinpath("policy", "privacy_policy_v2.toml").read_text()
+POLICY_TEXT = resources.files("clma").joinpath("policy", "privacy_policy_v3.toml").read_text()
 # Pinned on purpose: a change to a policy file must be reviewed and this hash updated.
-PINNED_FILE_SHA256 = "e52c19f816b7fd1768050d4026bb8c0b6868302e0e63677bcc8660a5491e9a06"
-# v1 predates the lifetime cap; it stays, unchanged, for the ledgers and tests that use it.
+PINNED_FILE_SHA256 = "aa8a5833ea67dd487e8e1cc159d850be0e249ad7501ebc6f3d4833dd20eac017"
+# v2 (the lifetime cap) and v1 predate signed approvals; they stay, unchanged, for the
+# ledgers and tests that use them.
+PINNED_V2_FILE_SHA256 = "e52c19f816b7fd1768050d4026bb8c0b6868302e0e63677bcc8660a5491e9a06"
 PINNED_V1_FILE_SHA256 = "00472d04da1e9e38d379218e0825e0129527d3d511c3f65165d9193aa98e926d"
 
 
@@ -41,7 +43,7 @@ def policy_with(tmp_path: Path, **replace: str):
 
 def test_shipped_policy_values_and_hash():
     p = default_policy()
-    assert p.policy_version == "clma-privacy-policy-v2"
+    assert p.policy_version == "clma-privacy-policy-v3"
     assert p.budget.epsilon_per_client_per_epoch == 10.0
     assert p.budget.delta_per_client_per_epoch == 1e-5
     assert p.lifetime_cap() == (50.0, 5e-5)  # five epochs at the full cap
@@ -50,8 +52,9 @@ def test_shipped_policy_values_and_hash():
     assert p.evaluation.minimum_group_size == 5
     assert p.borrowing.approvers == ("privacy-officer", "dpo-deputy")
     assert p.borrowing.max_borrows_per_epoch == 1
+    assert p.borrowing.approver_keys == ()  # shipped without keys: a deployment adds its own
     assert p.mechanism_version("laplace") == "v1"
-    raw = resources.files("clma").joinpath("policy", "privacy_policy_v2.toml").read_bytes()
+    raw = resources.files("clma").joinpath("policy", "privacy_policy_v3.toml").read_bytes()
     assert p.content_hash == hashlib.sha256(raw).hexdigest() == PINNED_FILE_SHA256
 
 
@@ -65,6 +68,15 @@ def test_v1_policies_still_load_without_a_lifetime_cap():
     b = default_policy().model_dump(exclude={"policy_version", "content_hash", "source"})
     b["budget"].update(lifetime_epsilon_per_client=None, lifetime_delta_per_client=None)
     assert a == b
+
+
+def test_v2_policies_still_load_and_differ_from_v3_only_in_version():
+    v2 = load_policy("privacy_policy_v2.toml")
+    assert v2.policy_version == "clma-privacy-policy-v2" and v2.content_hash == PINNED_V2_FILE_SHA256
+    assert v2.borrowing.approver_keys == ()  # no keys: approvals under v2 are refused
+    assert v2.rules_hash != default_policy().rules_hash  # the version is part of the rules
+    a = v2.model_dump(exclude={"policy_version", "content_hash", "source"})
+    assert a == default_policy().model_dump(exclude={"policy_version", "content_hash", "source"})
 
 
 def test_hashes_stable_across_loads_and_rules_hash_ignores_comments(tmp_path):
@@ -196,22 +208,24 @@ def _req(eps=0.5, line=LineItem.EVALUATION_GLOBAL):
     ("approval", "already", "eps", "expected"),
     [
         (None, 0, 0.5, BorrowRefusal.TIMEOUT),
-        (BorrowApproval(approver="mallory", approve=True), 0, 0.5, BorrowRefusal.NOT_ON_ALLOW_LIST),
-        (BorrowApproval(approver="Privacy-Officer", approve=True), 0, 0.5,
-         BorrowRefusal.NOT_ON_ALLOW_LIST),
-        (BorrowApproval(approver="mallory", approve=True), 1, 0.5, BorrowRefusal.NOT_ON_ALLOW_LIST),
-        (BorrowApproval(approver="privacy-officer", approve=True), 1, 0.5,
-         BorrowRefusal.ALREADY_BORROWED_THIS_EPOCH),
-        (BorrowApproval(approver="privacy-officer", approve=False), 0, 0.5, BorrowRefusal.DENIED),
-        (BorrowApproval(approver="dpo-deputy", approve=True), 0, 0.75, None),
-        (BorrowApproval(approver="dpo-deputy", approve=True), 0, 0.7500001,
-         BorrowRefusal.EXCEEDS_BORROW_LIMIT),
-        (BorrowApproval(approver="privacy-officer", approve=True, reason="ok"), 0, 0.1, None),
+        (("mallory", True, ""), 0, 0.5, BorrowRefusal.NOT_ON_ALLOW_LIST),
+        (("Privacy-Officer", True, ""), 0, 0.5, BorrowRefusal.NOT_ON_ALLOW_LIST),
+        (("mallory", True, ""), 1, 0.5, BorrowRefusal.NOT_ON_ALLOW_LIST),
+        (("privacy-officer", True, ""), 1, 0.5, BorrowRefusal.ALREADY_BORROWED_THIS_EPOCH),
+        (("privacy-officer", False, ""), 0, 0.5, BorrowRefusal.DENIED),
+        (("dpo-deputy", True, ""), 0, 0.75, None),
+        (("dpo-deputy", True, ""), 0, 0.7500001, BorrowRefusal.EXCEEDS_BORROW_LIMIT),
+        (("privacy-officer", True, "ok"), 0, 0.1, None),
     ],
 )
-def test_evaluate_borrow_rule(approval, already, eps, expected):
-    # next epoch's global line is 1.5; limit = 0.5 * 1.5 = 0.75
-    got = evaluate_borrow(_req(eps), approval, default_policy(),
+def test_evaluate_borrow_rule(approval, already, eps, expected, signed_policy, sign):
+    # next epoch's global line is 1.5; limit = 0.5 * 1.5 = 0.75. Approvals are signed with
+    # the approver's test key (a name off the list has a key too: the list decides first).
+    request, signed_approval = _req(eps), None
+    if approval is not None:
+        name, approve, reason = approval
+        request, signed_approval = sign(request, name, approve=approve, reason=reason)
+    got = evaluate_borrow(request, signed_approval, signed_policy,
                           borrows_approved_this_epoch=already, next_epoch_line_epsilon=1.5)
     assert got is expected
 
@@ -234,10 +248,10 @@ def test_bundled_simulation_policy_by_file_name(tmp_path, monkeypatch):
     from clma.budget.policy import PolicyError, load_policy
 
     monkeypatch.chdir(tmp_path)  # no such file in the working directory
-    sim = load_policy("simulation_policy_v2.toml")
+    sim = load_policy("simulation_policy_v3.toml")
     prod = load_policy()
-    assert sim.policy_version == "clma-simulation-policy-v2"
-    assert sim.source == "clma/policy/simulation_policy_v2.toml"
+    assert sim.policy_version == "clma-simulation-policy-v3"
+    assert sim.source == "clma/policy/simulation_policy_v3.toml"
     assert sim.budget.epsilon_per_client_per_epoch == 8 * prod.budget.epsilon_per_client_per_epoch
     assert sim.budget.lifetime_epsilon_per_client == 8 * prod.budget.lifetime_epsilon_per_client
     assert sim.budget.lifetime_delta_per_client == prod.budget.lifetime_delta_per_client

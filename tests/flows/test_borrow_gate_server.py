@@ -1,28 +1,40 @@
-"""End to end with a real Prefect server: a federation that exhausts its evaluation line
-pauses at the borrow-approval gate; another process answers with ``clma approve``.
+"""End to end through authenticated servers: a federation that overspends its evaluation
+lines pauses at the borrow-approval gate once per budget epoch, and each pause is answered
+with a signed token, from the CLI or through Prefect's resume API with the form's input
+(what the UI sends).
 
-Two federations run at the same time against one ``prefect server start`` on 127.0.0.1
-(started and stopped here, temporary PREFECT_HOME):
+One federation, five rounds, one round per budget epoch, against a Prefect server with
+basic authentication and an MLflow basic-auth server (operator account), both started with
+the infra scripts (tests/flows/conftest.py). Keys come from ``clma keygen``; the policy lists
+privacy-officer's and dpo-deputy's public keys.
 
-- A is resumed by ``privacy-officer`` (on the policy's allow-list) with the paused run's
-  id: it completes having borrowed exactly once (ledger), and MLflow holds the decision.
-- B is resumed by ``mallory`` (not on the list) with the *federation's* run id (the
-  command finds the paused approval run below it): it completes without borrowing; the
-  ledger records the refusal and training backs off (no training charge afterwards).
+======  ======================================================  ==============================
+epoch   answer                                                  recorded
+======  ======================================================  ==============================
+0       CLI, privacy-officer's key (right after the pause msg)  approved, privacy-officer's key id
+1       CLI, privacy-officer's name, another key (forged)       approver_key_unknown
+2       UI, dpo-deputy's token from ``--token-only``            approved, dpo-deputy's key id
+3       UI, dpo-deputy's token with the amount altered          approval_signature_invalid
+4       UI, epoch 0's accepted token again (replayed)           approval_token_replayed
+======  ======================================================  ==============================
+
+Then: no private key and no server password in the federation's log, the Prefect server's
+log, the Prefect API's logs and artifacts, or the MLflow server's store and artifacts.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
@@ -30,11 +42,12 @@ pytestmark = [pytest.mark.server, pytest.mark.slow]
 ROOT = Path(__file__).parents[2]
 CLMA = [sys.executable, "-m", "flows.cli"]
 UUID = r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
+ROUNDS = 5
 
 CONFIG = """
-name = "{name}"
+name = "borrow-signed"
 seed = 1
-rounds = 2
+rounds = {rounds}
 clients = 6
 
 [data]
@@ -58,34 +71,23 @@ epsilon = 1.0
 state_dir = "{state}"
 policy = "{policy}"
 approval_gate = "pause"
-approval_timeout_seconds = 120
+approval_timeout_seconds = 150
 approval_poll_seconds = 1.0
 """
 
 
-def write_policy(tmp: Path, *, epsilon_cap: float, epoch_rounds: int, cadence: int) -> Path:
-    """The shipped policy with another cap, epoch length and regional cadence."""
-    text = (ROOT / "clma" / "policy" / "privacy_policy_v1.toml").read_text()
+def write_policy(tmp: Path, entries: str, *, epsilon_cap: float, epoch_rounds: int,
+                 cadence: int) -> Path:
+    """The shipped policy with another cap, epoch length and cadence, and ``entries``."""
+    text = (ROOT / "clma" / "policy" / "privacy_policy_v3.toml").read_text()
     for key, value in (("epsilon_per_client_per_epoch", repr(epsilon_cap)),
                        ("epoch_length_rounds", str(epoch_rounds)),
                        ("regional_cadence_rounds", str(cadence))):
         text = re.sub(rf"(?m)^{key} = .*$", f"{key} = {value}", text)
-    text = text.replace('"clma-privacy-policy-v1"', '"clma-privacy-policy-test"')
+    text = text.replace('"clma-privacy-policy-v3"', '"clma-privacy-policy-test"')
     p = tmp / "policy.toml"
-    p.write_text(text)
+    p.write_text(text + "\n" + entries)
     return p
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _get(url: str) -> dict:
-    import httpx
-
-    return httpx.get(url, timeout=10).json()
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -102,110 +104,159 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.wait(10)
 
 
-@pytest.fixture(scope="module")
-def prefect_server(tmp_path_factory):
-    home = tmp_path_factory.mktemp("prefect-server-home")
-    port = _free_port()
-    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-           "DO_NOT_TRACK": "true", "PREFECT_SERVER_LOGGING_LEVEL": "WARNING"}
-    env.pop("PREFECT_API_URL", None)
-    log = open(home / "server.log", "wb")
-    proc = subprocess.Popen(
-        [str(Path(sys.executable).with_name("prefect")), "server", "start", "--host", "127.0.0.1",
-         "--port", str(port)],
-        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )
-    api = f"http://127.0.0.1:{port}/api"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if _get(f"{api}/health") is True:
-                    break
-            except Exception:  # not up yet
-                pass
-            assert proc.poll() is None, (home / "server.log").read_text()[-2000:]
-            assert time.monotonic() < deadline, "prefect server not healthy in 120 s"
-            time.sleep(0.5)
-        yield api
-    finally:
-        _stop(proc)
-        log.close()
+class Api:
+    """The authenticated Prefect API, as the browser (or curl) would call it."""
+
+    def __init__(self, server) -> None:
+        self.url, self.auth = server.api, server.basic_auth
+
+    def get(self, path: str):
+        r = httpx.get(f"{self.url}{path}", auth=self.auth, timeout=15)
+        r.raise_for_status()
+        return r.json()
+
+    def post(self, path: str, body: dict):
+        r = httpx.post(f"{self.url}{path}", json=body, auth=self.auth, timeout=15)
+        r.raise_for_status()
+        return r.json()
+
+    def form_saved(self, run_id: str) -> bool:
+        run = self.get(f"/flow_runs/{run_id}")
+        keyset = (run["state"] or {}).get("state_details", {}).get("run_input_keyset")
+        if run["state"]["type"] != "PAUSED" or not keyset:
+            return False
+        r = httpx.get(f"{self.url}/flow_runs/{run_id}/input/{keyset['schema']}", auth=self.auth,
+                      timeout=15)
+        return r.status_code == 200
+
+    def resume_as_ui(self, run_id: str, run_input: dict) -> dict:
+        """POST /flow_runs/<id>/resume with the form's input, as the UI's Submit does."""
+        return self.post(f"/flow_runs/{run_id}/resume", {"run_input": run_input})
 
 
-def _start_federation(tmp: Path, name: str, policy: Path, api: str):
-    state = tmp / f"state-{name}"
-    cfg = tmp / f"{name}.toml"
-    cfg.write_text(CONFIG.format(name=name, state=state, policy=policy))
-    err = tmp / f"{name}.stderr"
-    env = {**os.environ, "PREFECT_API_URL": api, "PREFECT_HOME": str(tmp / f"home-{name}"),
-           "MLFLOW_TRACKING_URI": f"sqlite:///{tmp / (name + '-mlflow.db')}",
-           "PREFECT_LOGGING_LEVEL": "WARNING"}
-    proc = subprocess.Popen(
-        [*CLMA, "run", "--config", str(cfg), "--out", str(tmp / f"out-{name}"), "--quiet"],
-        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=open(err, "wb"),
-        start_new_session=True,
-    )
-    return proc, err, state
+def _keygen(tmp: Path, name: str, out: str) -> tuple[Path, str]:
+    r = subprocess.run([*CLMA, "keygen", "--approver", name, "--out", str(tmp / out)],
+                       capture_output=True, text=True, timeout=120, cwd=tmp)
+    assert r.returncode == 0, r.stderr
+    return tmp / out, r.stdout
 
 
-def _wait_paused(proc, err: Path, api: str, timeout: float = 150) -> str:
-    """The paused approval run's id: printed by the gate, and Paused on the server."""
+def _next_pause(proc, err: Path, seen: set[str], timeout: float = 240) -> str:
+    """The next paused approval run's id, from the gate's message on stderr."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        m = re.search(rf"borrow request paused, flow run ({UUID})", err.read_text(errors="replace"))
-        if m:
-            run = _get(f"{api}/flow_runs/{m.group(1)}")
-            if run["state"]["type"] == "PAUSED":
-                return m.group(1)
+        ids = re.findall(rf"borrow request paused, flow run ({UUID})", err.read_text(errors="replace"))
+        new = [i for i in ids if i not in seen]
+        if new:
+            seen.add(new[0])
+            return new[0]
         assert proc.poll() is None, err.read_text()[-3000:]
-        time.sleep(1)
-    raise AssertionError("the federation never paused:\n" + err.read_text()[-3000:])
+        time.sleep(0.5)
+    raise AssertionError("the federation did not pause:\n" + err.read_text()[-3000:])
 
 
-def _root_run(api: str, run_id: str) -> str:
-    """Walk up from a subflow run to the top-level (federation) flow run."""
-    run = _get(f"{api}/flow_runs/{run_id}")
-    while run.get("parent_task_run_id"):
-        task = _get(f"{api}/task_runs/{run['parent_task_run_id']}")
-        run = _get(f"{api}/flow_runs/{task['flow_run_id']}")
-    return run["id"]
+def _wait_form(api: Api, run_id: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not api.form_saved(run_id):
+        assert time.monotonic() < deadline, f"run {run_id} never showed its form"
+        time.sleep(0.5)
 
 
-def _approve(api: str, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PREFECT_API_URL": api}
-    return subprocess.run([*CLMA, "approve", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=120)
+def _alter_epsilon(token: str, epsilon: float) -> str:
+    """The token with its signed amount replaced (the signature left as it was)."""
+    prefix, claims, sig = token.split(".")
+    data = base64.urlsafe_b64decode(claims + "=" * (-len(claims) % 4))
+    new = re.sub(rb"\nepsilon:\d+:[^\n]*\n",
+                 b"\nepsilon:%d:%s\n" % (len(repr(epsilon)), repr(epsilon).encode()), data)
+    assert new != data
+    return ".".join([prefix, base64.urlsafe_b64encode(new).rstrip(b"=").decode(), sig])
 
 
 @pytest.fixture(scope="module")
-def two_runs(prefect_server, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("borrow")
-    # cap 10 -> each evaluation line holds 1.5: one release at epsilon 1, not two
-    policy = write_policy(tmp, epsilon_cap=10.0, epoch_rounds=2, cadence=1)
-    api = prefect_server
+def signed_gate(auth_prefect_server, auth_mlflow_server, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("signed-gate")
     t0 = time.monotonic()
-    a, a_err, a_state = _start_federation(tmp, "borrow-ok", policy, api)
-    b, b_err, b_state = _start_federation(tmp, "borrow-refused", policy, api)
+    po_key, po_entry = _keygen(tmp, "privacy-officer", "keys/privacy-officer.pem")
+    dd_key, dd_entry = _keygen(tmp, "dpo-deputy", "keys/dpo-deputy.pem")
+    mallory_key, _ = _keygen(tmp, "privacy-officer", "mallory/privacy-officer.pem")  # not listed
+    # cap 10: each evaluation line holds 1.5, one release at epsilon 1, not two
+    policy = write_policy(tmp, po_entry + "\n" + dd_entry, epsilon_cap=10.0, epoch_rounds=1,
+                          cadence=1)
+    state = tmp / "state"
+    cfg = tmp / "fed.toml"
+    cfg.write_text(CONFIG.format(rounds=ROUNDS, state=state, policy=policy))
+    api = Api(auth_prefect_server)
+    user, password = auth_mlflow_server.operator
+    env = {**os.environ, "PREFECT_API_URL": auth_prefect_server.api,
+           "PREFECT_API_AUTH_STRING": auth_prefect_server.auth_string,
+           "PREFECT_HOME": str(tmp / "prefect-home"), "PREFECT_LOGGING_LEVEL": "WARNING",
+           "MLFLOW_TRACKING_URI": auth_mlflow_server.url,
+           "MLFLOW_TRACKING_USERNAME": user, "MLFLOW_TRACKING_PASSWORD": password}
+    no_auth = {k: v for k, v in env.items() if k != "PREFECT_API_AUTH_STRING"}
+
+    def clma(*args, environ=env):
+        return subprocess.run([*CLMA, *args], cwd=tmp, env=environ, capture_output=True,
+                              text=True, timeout=180)
+
+    err = tmp / "federation.stderr"
+    proc = subprocess.Popen(
+        [*CLMA, "run", "--config", str(cfg), "--out", str(tmp / "out"), "--quiet"],
+        cwd=tmp, env=env, stdout=subprocess.DEVNULL, stderr=open(err, "wb"),
+        start_new_session=True)
+    seen: set[str] = set()
+    out: dict = {"tmp": tmp, "policy": policy, "state": state, "api": api, "err": err,
+                 "keys": {"po": po_key, "dd": dd_key, "mallory": mallory_key}}
     try:
-        a_paused = _wait_paused(a, a_err, api)
-        b_paused = _wait_paused(b, b_err, api)
-        t_paused = time.monotonic() - t0
-        bad_id = _approve(api, "not-a-run-id", "--approver", "privacy-officer")
-        ok = _approve(api, a_paused, "--approver", "privacy-officer", "--reason", "quarterly review")
-        b_root = _root_run(api, b_paused)
-        bad = _approve(api, b_root, "--approver", "mallory", "--reason", "let me in")
-        a.wait(180)
-        b.wait(180)
-        again = _approve(api, a_paused, "--approver", "privacy-officer")
+        # epoch 0: the CLI right after the gate's message (it waits for the pause), first
+        # without the Prefect auth string
+        run0 = _next_pause(proc, err, seen)
+        out["seconds_to_first_pause"] = time.monotonic() - t0
+        out["unauthenticated"] = clma("approve", run0, "--approver", "privacy-officer", "--key",
+                                      str(po_key), "--reason", "quarterly review",
+                                      "--wait", "5", environ=no_auth)
+        out["cli_ok"] = clma("approve", run0, "--approver", "privacy-officer", "--key",
+                             str(po_key), "--reason", "quarterly review")
+        accepted = clma("approve", run0, "--approver", "privacy-officer", "--key", str(po_key),
+                        "--reason", "quarterly review", "--token-only", "--wait", "0")
+        out["after_resume"] = accepted  # run0 is no longer paused
+        # epoch 1: forged with the CLI (privacy-officer's name, mallory's key)
+        run1 = _next_pause(proc, err, seen)
+        out["cli_forged"] = clma("approve", run1, "--approver", "privacy-officer", "--key",
+                                 str(mallory_key), "--reason", "let me in")
+        # epoch 2: the UI path, correctly signed by dpo-deputy
+        run2 = _next_pause(proc, err, seen)
+        tok = clma("approve", run2, "--approver", "dpo-deputy", "--key", str(dd_key),
+                   "--reason", "needed for the regional alert", "--token-only")
+        assert tok.returncode == 0, tok.stderr
+        out["token_only"] = tok
+        _wait_form(api, run2)
+        out["ui_ok"] = api.resume_as_ui(run2, {
+            "approver": "dpo-deputy", "approve": True,
+            "reason": "needed for the regional alert", "token": tok.stdout.strip()})
+        # epoch 3: the UI path, a genuine token with its amount altered
+        run3 = _next_pause(proc, err, seen)
+        tok3 = clma("approve", run3, "--approver", "dpo-deputy", "--key", str(dd_key),
+                    "--reason", "small top-up", "--token-only")
+        assert tok3.returncode == 0, tok3.stderr
+        requested = api.get(f"/flow_runs/{run3}")["parameters"]["request"]["epsilon"]
+        _wait_form(api, run3)
+        out["ui_altered"] = api.resume_as_ui(run3, {
+            "approver": "dpo-deputy", "approve": True, "reason": "small top-up",
+            "token": _alter_epsilon(tok3.stdout.strip(), requested * 2)})
+        # epoch 4: the UI path, epoch 0's accepted token replayed
+        run4 = _next_pause(proc, err, seen)
+        _wait_form(api, run4)
+        epoch0_token = _ledger(state, policy).borrows(0)[0]["approval_token"]
+        out["ui_replayed"] = api.resume_as_ui(run4, {
+            "approver": "privacy-officer", "approve": True, "reason": "quarterly review",
+            "token": epoch0_token})
+        proc.wait(300)
+        out["runs"] = [run0, run1, run2, run3, run4]
     finally:
-        _stop(a)
-        _stop(b)
-    return {
-        "tmp": tmp, "policy": policy, "api": api, "a": (a, a_err, a_state, a_paused),
-        "b": (b, b_err, b_state, b_paused, b_root), "ok": ok, "bad": bad, "bad_id": bad_id,
-        "again": again, "seconds_to_pause": t_paused, "seconds": time.monotonic() - t0,
-    }
+        _stop(proc)
+    out["returncode"] = proc.returncode
+    out["seconds"] = time.monotonic() - t0
+    return out
 
 
 def _ledger(state: Path, policy: Path):
@@ -214,73 +265,154 @@ def _ledger(state: Path, policy: Path):
     return PrivacyLedger(state, load_policy(policy))
 
 
-def test_allowed_approver_resumes_and_the_flow_borrows_once(two_runs):
-    a, a_err, a_state, a_paused = two_runs["a"]
-    assert two_runs["ok"].returncode == 0, two_runs["ok"].stderr
-    assert json.loads(two_runs["ok"].stdout)["resumed"] == a_paused
-    assert a.returncode == 0, a_err.read_text()[-3000:]
-    run = _get(f"{two_runs['api']}/flow_runs/{a_paused}")
-    assert run["state"]["type"] == "COMPLETED"  # the approval run itself
-    ledger = _ledger(a_state, two_runs["policy"])
-    borrows = ledger.borrows()
-    assert [(b["epoch"], b["approved"], b["approver"], b["approver_reason"]) for b in borrows] == [
-        (0, 1, "privacy-officer", "quarterly review")]
+def _key_id(key: Path) -> str:
+    from clma.budget.approval_token import load_private_key
+
+    return load_private_key(key)[1]
+
+
+def test_the_federation_completes_and_every_decision_is_recorded(signed_gate):
+    g = signed_gate
+    assert g["returncode"] == 0, g["err"].read_text()[-3000:]
+    borrows = _ledger(g["state"], g["policy"]).borrows()
+    po, dd = _key_id(g["keys"]["po"]), _key_id(g["keys"]["dd"])
+    got = [(b["epoch"], b["approved"], b["refusal"], b["approver"], b["approver_key_id"])
+           for b in borrows]
+    assert got == [
+        (0, 1, None, "privacy-officer", po),
+        (1, 0, "approver_key_unknown", "privacy-officer", None),
+        (2, 1, None, "dpo-deputy", dd),
+        (3, 0, "approval_signature_invalid", "dpo-deputy", None),
+        (4, 0, "approval_token_replayed", "privacy-officer", None),
+    ]
+    details = [b["refusal_detail"] for b in borrows]
+    assert details[0] == details[2] == ""
+    assert details[1].startswith(f"key_id: {_key_id(g['keys']['mallory'])} is not a key of "
+                                 "'privacy-officer'")
+    assert details[3].startswith(f"signature: does not verify with {dd}")
+    assert details[4].startswith("nonce: the token was signed for another request")
+    assert [b["approver_reason"] for b in borrows][:3] == [
+        "quarterly review", "let me in", "needed for the regional alert"]
+    assert len({b["request_nonce"] for b in borrows}) == ROUNDS  # a fresh nonce per request
     assert all(b["policy_version"] == "clma-privacy-policy-test" for b in borrows)
-    line = borrows[0]["line"]
-    row = next(r for r in ledger.table(0) if r.line_item == line)
-    assert row.borrowed_epsilon == pytest.approx(borrows[0]["epsilon"])
-    assert row.spent_epsilon > 1.5  # it spent beyond the base line: the borrow was used
-    assert row.spent_epsilon <= row.cap_epsilon + 1e-12
-    nxt = next(r for r in ledger.table(1) if r.line_item == line)
-    assert nxt.lent_epsilon == pytest.approx(borrows[0]["epsilon"])
-    assert not next(r for r in ledger.table(0) if r.line_item == "training").training_frozen
+    # accepted borrows were spent, refused epochs froze training
+    ledger = _ledger(g["state"], g["policy"])
+    for b in borrows:
+        rows = {r.line_item: r for r in ledger.table(b["epoch"])}
+        assert rows["training"].training_frozen == (not b["approved"])
+        if b["approved"]:
+            assert rows[b["line"]].borrowed_epsilon == pytest.approx(b["epsilon"])
+    print(f"seconds to the first pause: {g['seconds_to_first_pause']:.1f}, "
+          f"total: {g['seconds']:.1f}")
 
 
-def test_allowed_approval_is_recorded_in_mlflow(two_runs):
+def test_the_cli_and_the_ui_path_answers(signed_gate):
+    g = signed_gate
+    ok = g["cli_ok"]
+    assert ok.returncode == 0, ok.stderr
+    res = json.loads(ok.stdout)
+    assert (res["resumed"], res["approver"], res["approve"], res["key_id"]) == (
+        g["runs"][0], "privacy-officer", True, _key_id(g["keys"]["po"]))
+    assert "signed with ed25519:" in ok.stderr and "nonce" in ok.stderr
+    # the forged answer resumed the run (the CLI cannot know the key is not listed) ...
+    assert g["cli_forged"].returncode == 0, g["cli_forged"].stderr
+    # ... and the UI path's answers were accepted by the server; the flow decided
+    for name in ("ui_ok", "ui_altered", "ui_replayed"):
+        assert g[name]["status"] == "ACCEPT", (name, g[name])
+    assert g["token_only"].stdout.startswith("clma-approval-v1.")
+    assert "in the Prefect UI" in g["token_only"].stderr
+    again = g["after_resume"]
+    assert again.returncode == 2 and "is not paused (state: " in again.stderr
+
+
+def test_a_client_without_the_prefect_auth_string_is_told_so(signed_gate):
+    r = signed_gate["unauthenticated"]
+    assert r.returncode == 2
+    assert "refused the request (401)" in r.stderr and "PREFECT_API_AUTH_STRING" in r.stderr
+
+
+def test_decisions_reach_mlflow_through_the_operator_account(signed_gate, auth_mlflow_server,
+                                                             monkeypatch):
     from mlflow import MlflowClient
 
-    tmp = two_runs["tmp"]
-    summary = json.loads((tmp / "out-borrow-ok" / "summary.json").read_text())
-    client = MlflowClient(tracking_uri=f"sqlite:///{tmp / 'borrow-ok-mlflow.db'}")
+    g = signed_gate
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", auth_mlflow_server.reader[0])
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", auth_mlflow_server.reader[1])
+    summary = json.loads((g["tmp"] / "out" / "summary.json").read_text())
+    client = MlflowClient(tracking_uri=auth_mlflow_server.url)  # read as the reader
     run = client.get_run(summary["mlflow"]["run_id"])
     tags = run.data.tags
     assert tags["clma.policy.version"] == "clma-privacy-policy-test"
-    assert len(tags["clma.policy.content_hash"]) == 64
-    dec = [k for k in tags if k.startswith("clma.budget.borrow.e0.") and k.endswith(".decision")]
-    assert len(dec) == 1 and tags[dec[0]] == "approved"
-    assert tags[dec[0].replace(".decision", ".approver")] == "privacy-officer"
-    doc = json.loads(Path(client.download_artifacts(run.info.run_id, "budget/decisions.json"))
-                     .read_text())
-    assert [b["approver"] for b in doc["borrows"]] == ["privacy-officer"]
-    table = json.loads(Path(client.download_artifacts(run.info.run_id, "budget/ledger.json"))
-                       .read_text())
-    assert {"line_item", "spent_epsilon", "remaining_epsilon", "approver"} <= set(table["columns"])
+    first = _ledger(g["state"], g["policy"]).borrows(0)[0]
+    key = f"clma.budget.borrow.e0.{first['line']}"
+    assert (tags[f"{key}.approver"], tags[f"{key}.approver_key_id"]) == (
+        "privacy-officer", _key_id(g["keys"]["po"]))
+    decisions = [v for k, v in tags.items() if k.endswith(".decision")]
+    assert sorted(decisions) == sorted(["approved", "approved", "refused:approver_key_unknown",
+                                        "refused:approval_signature_invalid",
+                                        "refused:approval_token_replayed"])
+    doc = json.loads(Path(client.download_artifacts(run.info.run_id, "budget/decisions.json",
+                                                    str(g["tmp"] / "dl"))).read_text())
+    assert [b["refusal"] for b in doc["borrows"]] == [
+        None, "approver_key_unknown", None, "approval_signature_invalid",
+        "approval_token_replayed"]
+    assert doc["borrows"][0]["approver_key_id"] == _key_id(g["keys"]["po"])
+    refused = [d for d in doc["ledger_decisions"] if d["kind"] == "borrow_refused"]
+    assert [d["detail"]["refusal"] for d in refused] == [
+        "approver_key_unknown", "approval_signature_invalid", "approval_token_replayed"]
 
 
-def test_approver_not_on_the_list_does_not_borrow_and_training_backs_off(two_runs):
-    b, b_err, b_state, b_paused, b_root = two_runs["b"]
-    assert b_root != b_paused  # resumed through the federation run's id
-    assert two_runs["bad"].returncode == 0, two_runs["bad"].stderr
-    assert json.loads(two_runs["bad"].stdout)["resumed"] == b_paused
-    assert b.returncode == 0, b_err.read_text()[-3000:]
-    ledger = _ledger(b_state, two_runs["policy"])
-    borrows = ledger.borrows()
-    assert [(x["approved"], x["refusal"], x["approver"], x["training_frozen"]) for x in borrows] == [
-        (0, "not_on_allow_list", "mallory", 1)]
-    line = borrows[0]["line"]
-    row = next(r for r in ledger.table(0) if r.line_item == line)
-    assert row.borrowed_epsilon == 0.0 and row.spent_epsilon <= 1.5 + 1e-12
-    # training backed off: round 1 (ledger round 0) was charged before the gate, round 2 not
-    training = [e for e in ledger.entries() if e["line"] == "training"]
-    assert [e["round"] for e in training] == [0]
-    assert any(d["kind"] == "charge_refused" and d["detail"]["reason"] == "training_frozen"
-               for d in ledger.decisions())
+def _secrets(g, auth_prefect_server, auth_mlflow_server) -> dict[str, bytes]:
+    """Every spelling of the private keys and the server passwords a leak could take."""
+    from cryptography.hazmat.primitives import serialization
+
+    from clma.budget.approval_token import load_private_key
+
+    out: dict[str, bytes] = {}
+    for name, path in g["keys"].items():
+        key, _ = load_private_key(path)
+        raw = key.private_bytes(serialization.Encoding.Raw, serialization.PrivateFormat.Raw,
+                                serialization.NoEncryption())
+        pem_lines = path.read_text().splitlines()[1:-1]
+        out[f"{name} raw hex"] = raw.hex().encode()
+        out[f"{name} raw b64"] = base64.b64encode(raw).rstrip(b"=")
+        out[f"{name} raw b64url"] = base64.urlsafe_b64encode(raw).rstrip(b"=")
+        out[f"{name} pem body"] = pem_lines[0].encode()
+    out["prefect password"] = auth_prefect_server.basic_auth[1].encode()
+    for role in ("admin", "operator", "reader"):
+        out[f"mlflow {role} password"] = getattr(auth_mlflow_server, role)[1].encode()
+    return out
 
 
-def test_approve_command_errors(two_runs):
-    assert two_runs["bad_id"].returncode == 2
-    assert "not a flow run id" in two_runs["bad_id"].stderr
-    again = two_runs["again"]  # the run is no longer paused
-    assert again.returncode == 2 and "not paused" in again.stderr
-    print(f"seconds to both paused: {two_runs['seconds_to_pause']:.1f}, "
-          f"total: {two_runs['seconds']:.1f}")
+def _files(*folders: Path):
+    for folder in folders:
+        for p in folder.rglob("*"):
+            if p.is_file():
+                yield p
+
+
+def test_no_key_or_password_in_logs_mlflow_or_prefect_artifacts(signed_gate, auth_prefect_server,
+                                                                 auth_mlflow_server):
+    g = signed_gate
+    secrets = _secrets(g, auth_prefect_server, auth_mlflow_server)
+    api = g["api"]
+    logs, offset = [], 0
+    while True:
+        page = api.post("/logs/filter", {"limit": 200, "offset": offset})
+        logs += page
+        offset += len(page)
+        if len(page) < 200:
+            break
+    artifacts = api.post("/artifacts/filter", {"limit": 200})
+    assert logs and artifacts  # there is something to scan
+    texts = {"prefect api logs": json.dumps(logs).encode(),
+             "prefect api artifacts": json.dumps(artifacts).encode(),
+             "federation stderr": g["err"].read_bytes()}
+    for p in _files(auth_prefect_server.infra_dir, auth_mlflow_server.infra_dir,
+                    g["state"], g["tmp"] / "out"):
+        if p.name == "secrets.env":
+            continue  # where the server secrets live, by design (mode 0600)
+        texts[str(p)] = p.read_bytes()
+    leaks = [(what, where) for what, s in secrets.items() for where, t in texts.items() if s in t]
+    assert leaks == []
+    assert any("mlflow.db" in k for k in texts) and any("/artifacts/" in k for k in texts)

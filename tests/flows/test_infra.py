@@ -18,7 +18,9 @@ INFRA = ROOT / "infra"
 
 
 def _run(script, tmp_path, *args, **env):
-    e = dict(os.environ)
+    e = {k: v for k, v in os.environ.items()
+         if k not in ("CLMA_ENV_FILE", "CLMA_REQUIRE_AUTH", "CLMA_MLFLOW_AUTH",
+                      "PREFECT_SERVER_API_AUTH_STRING", "MLFLOW_AUTH_ADMIN_PASSWORD")}
     e.update(CLMA_INFRA_DIR=str(tmp_path), **env)
     return subprocess.run([str(INFRA / script), *args], env=e, capture_output=True, text=True,
                           timeout=60)
@@ -54,6 +56,50 @@ def test_status_and_stop_of_a_server_not_running(tmp_path):
     assert r.returncode == 2 and "usage" in r.stderr
     r = _run("prefect-server.sh", tmp_path, "start", CLMA_PREFECT_PORT="70000")
     assert r.returncode == 1 and "outside 1..65535" in r.stderr
+
+
+def _secrets(folder: Path, text: str, mode: int = 0o600) -> Path:
+    path = folder / "secrets.env"
+    path.write_text(text)
+    os.chmod(path, mode)
+    return path
+
+
+def test_env_file_must_be_private_and_outside_the_checkout(tmp_path):
+    loose = _secrets(tmp_path, "PREFECT_SERVER_API_AUTH_STRING=a:b\n", 0o640)
+    r = _run("prefect-server.sh", tmp_path, "status", CLMA_ENV_FILE=str(loose))
+    assert r.returncode == 1 and "mode 640 lets group or others read it" in r.stderr
+    repo = tmp_path / "repo"
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    inside = _secrets(repo, "CLMA_MLFLOW_AUTH=basic\n")
+    r = _run("mlflow-server.sh", tmp_path, "status", CLMA_ENV_FILE=str(inside),
+             CLMA_ROOT=str(repo), CLMA_MLFLOW_PORT="5999")
+    assert r.returncode == 1 and "inside the checkout and not git-ignored" in r.stderr
+    (repo / ".gitignore").write_text("secrets.env\n")
+    r = _run("mlflow-server.sh", tmp_path, "status", CLMA_ENV_FILE=str(inside),
+             CLMA_ROOT=str(repo), CLMA_MLFLOW_PORT="5999")
+    assert (r.returncode, r.stdout.strip()) == (3, "MLflow server not running")
+
+
+@pytest.mark.parametrize(("script", "env", "message"), [
+    ("prefect-server.sh", {"CLMA_REQUIRE_AUTH": "true"},
+     "CLMA_REQUIRE_AUTH is set but PREFECT_SERVER_API_AUTH_STRING is not"),
+    ("prefect-server.sh", {"PREFECT_SERVER_API_AUTH_STRING": "no-colon"},
+     "must be 'user:password'"),
+    ("prefect-server.sh", {"PREFECT_SERVER_API_AUTH_STRING": ""}, "must be 'user:password'"),
+    ("mlflow-server.sh", {"CLMA_REQUIRE_AUTH": "true"}, "start MLflow with CLMA_MLFLOW_AUTH=basic"),
+    ("mlflow-server.sh", {"CLMA_MLFLOW_AUTH": "basic"}, "MLFLOW_AUTH_ADMIN_PASSWORD is required"),
+    ("mlflow-server.sh", {"CLMA_MLFLOW_AUTH": "basic", "MLFLOW_AUTH_ADMIN_PASSWORD": "short"},
+     "at least 12 characters"),
+    ("mlflow-server.sh", {"CLMA_MLFLOW_AUTH": "basic", "MLFLOW_AUTH_ADMIN_PASSWORD": "x" * 12,
+                          "CLMA_MLFLOW_READER_USERNAME": "reader"},
+     "CLMA_MLFLOW_READER_PASSWORD is required"),
+    ("mlflow-server.sh", {"CLMA_MLFLOW_AUTH": "ldap"}, "use basic or off"),
+])
+def test_scripts_refuse_incomplete_authentication(tmp_path, script, env, message):
+    r = _run(script, tmp_path, "start", CLMA_PREFECT_PORT="4998", CLMA_MLFLOW_PORT="5998", **env)
+    assert r.returncode == 1 and message in r.stderr
+    assert not list(tmp_path.glob("*.pid"))
 
 
 def test_compose_file_publishes_on_loopback_with_pinned_versions():

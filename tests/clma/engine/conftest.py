@@ -211,13 +211,20 @@ def device_reports():
 
 @pytest.fixture
 def write_policy(tmp_path) -> Callable[..., Path]:
-    """``write_policy(source="privacy_policy_v1.toml", **settings)``: a copy of a policy
-    file shipped in clma/policy/ with the given ``key = value`` lines replaced (``epsilon_per_client_per_epoch``,
-    ``epoch_length_rounds``, ``regional_cadence_rounds``, ``minimum_group_size``...) and
-    ``policy_version`` set to ``clma-privacy-policy-test``; returns its path."""
+    """``write_policy(source="privacy_policy_v1.toml", *, approver_keys=False, **settings)``:
+    a copy of a policy file shipped in clma/policy/ with the given ``key = value`` lines
+    replaced (``epsilon_per_client_per_epoch``, ``epoch_length_rounds``,
+    ``regional_cadence_rounds``, ``minimum_group_size``...) and ``policy_version`` set to
+    ``clma-privacy-policy-test``; ``approver_keys=True`` appends the test approvers' public
+    keys (``tests.clma.approval_keys``), so that their signed approvals count. Returns its
+    path."""
+    from clma.budget.approval_token import policy_entry
+    from tests.clma.approval_keys import APPROVERS, key_entry
+
     counter = iter(range(10**6))
 
-    def write(source: str = SHIPPED_POLICY.name, **settings) -> Path:
+    def write(source: str = SHIPPED_POLICY.name, *, approver_keys: bool = False,
+              **settings) -> Path:
         text = (SHIPPED_POLICY.parent / source).read_text()
         for key, value in settings.items():
             text, n = re.subn(rf"(?m)^{key} = .*$", f"{key} = {value!r}", text)
@@ -225,6 +232,8 @@ def write_policy(tmp_path) -> Callable[..., Path]:
         text, n = re.subn(r'(?m)^policy_version = ".*"$',
                           'policy_version = "clma-privacy-policy-test"', text)
         assert n == 1
+        if approver_keys:
+            text += "\n" + "\n".join(policy_entry(key_entry(name)) for name in APPROVERS)
         p = tmp_path / f"policy_{next(counter)}.toml"
         p.write_text(text)
         return p

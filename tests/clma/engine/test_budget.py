@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from clma.budget import BorrowApproval, LineItem, decide_borrow
+from clma.budget import LineItem, decide_borrow
 from clma.config import BudgetConfig, DPFedAvgConfig, load_config
 from clma.engine import make_cohorter, open_budget
 from clma.engine.budget import (
@@ -26,6 +26,7 @@ from clma.engine.budget import (
 )
 from clma.engine.state import restore_files, snapshot_files
 from clma.rounds import ClientUpdate, clip_update, dp_fedavg
+from tests.clma.approval_keys import signed
 
 SMALL = Path(__file__).parents[2] / "flows" / "small.toml"
 
@@ -34,11 +35,12 @@ SMALL = Path(__file__).parents[2] / "flows" / "small.toml"
 def small_config(tmp_path, write_policy):
     """``small_config(epsilon_cap=..., epoch_rounds=10, cadence=1, **dp)``: small.toml
     (10 clients, evaluation epsilon 2) with a ledger in tmp and the shipped policy with
-    that per-epoch cap, epoch length and regional cadence."""
+    that per-epoch cap, epoch length and regional cadence, and the test approvers' keys."""
 
     def make(*, epsilon_cap: float, epoch_rounds: int = 10, cadence: int = 1, **dp):
         policy = write_policy(epsilon_per_client_per_epoch=float(epsilon_cap),
-                              epoch_length_rounds=epoch_rounds, regional_cadence_rounds=cadence)
+                              epoch_length_rounds=epoch_rounds, regional_cadence_rounds=cadence,
+                              approver_keys=True)
         cfg = load_config(SMALL).with_overrides(rounds=3)
         return cfg.model_copy(update={
             "budget": BudgetConfig(state_dir=str(tmp_path / "state"), policy=str(policy)),
@@ -130,8 +132,8 @@ def test_overspend_goes_to_the_gate_once_and_an_approved_borrow_releases(
     def approving_gate(b, request):
         assert b is budget
         asked.append(request)
-        return decide_borrow(request, BorrowApproval(approver="privacy-officer", approve=True),
-                             b.policy, b.ledger)
+        # an approval counts only signed by a key the policy lists (issue 19)
+        return decide_borrow(*signed(request, "privacy-officer"), b.policy, b.ledger)
 
     view, _ = evaluate_round(engine, 1, gate=approving_gate)
     # one request only: after an approved borrow, a second one in the epoch would be refused
