@@ -1,0 +1,343 @@
+"""The ``flower`` transport: the ``Clients`` seam over Flower's message API (a ServerApp's
+``Grid``), so the round engine reaches real clients on Flower SuperNodes.
+
+:class:`FlowerTransport` implements :class:`clma.engine.clients.Clients`:
+
+* ``roster()`` -- waits for ``node_count`` SuperNodes (at most ``connect_timeout``), asks
+  each once for its ``partition-id`` (one ``query.clma_roster`` round-trip; the partition id
+  is the client id) and places it in its region of the public partition
+  (``clma.regions.load_partition(...).assign(clients, seed)``). A node that does not answer,
+  answers badly or claims a partition id another node claims too is left out.
+* every other call is ONE ``grid.send_and_receive`` for all the clients it asks, with
+  ``timeout`` seconds for the replies; the secure-aggregation steps carry all the sessions
+  of a client in one message (:mod:`clma.flower.codec`), so an evaluation round costs four
+  round-trips whatever the number of groups.
+* every failure -- no reply by the timeout, an error reply (the ClientApp's, or the
+  SuperLink's "node unavailable"), a reply that does not decode (wrong schema, types,
+  ranges, lengths) -- becomes a :attr:`Replies.failed` entry with its reason; the engine's
+  own checks follow (:func:`clma.engine.clients.check_update`, the secure-aggregation
+  server's). A call never raises for a client's behaviour.
+* every completed exchange is recorded in the :class:`clma.flower.journal.ExchangeJournal`
+  before its replies are used; asked again (a retry, a resumed round) it is answered from
+  the journal, so no client exchange of a committed step runs twice.
+
+Flower's objects stay behind this edge: the engine sees only the seam's dataclasses. The
+grid is not thread-safe: calls (e.g. concurrent training chunks) take turns.
+
+Test-only fault injection: ``CLMA_FLOWER_FAILPOINT=<action>:<round>:<call>`` acts right
+after that exchange was recorded in the journal (and only when it was actually sent):
+``kill`` SIGKILLs this process (the orchestrating ServerApp); ``pause`` creates
+``<journal>/failpoint-<round>-<call>.paused`` and waits until that file is removed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import signal
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from flwr.app import Message
+
+from clma.config import FederationConfig
+from clma.engine.clients import (
+    ClientInfo,
+    Replies,
+    ReportRequest,
+    Roster,
+    ShareKeysRequest,
+    TrainRequest,
+)
+from clma.flower import codec
+from clma.flower.journal import ExchangeJournal, JournalEntry
+from clma.rounds import ClientUpdate
+
+__all__ = ["FAILPOINT_ENV", "FlowerTransport", "check_noise_source"]
+
+FAILPOINT_ENV = "CLMA_FLOWER_FAILPOINT"
+_log = logging.getLogger("clma.flower.transport")
+
+
+def check_noise_source(config: FederationConfig) -> str:
+    """The one place that decides whether the Flower transport accepts the configured noise
+    source; returns the label recorded with every release it touches.
+
+    Real clients mean real people's data: seeded noise is reproducible and NOT private.
+    For now it is accepted, labelled ``seeded-simulation`` on every release (the equality
+    tests against the in-process simulation need it); tightening this rule happens here.
+    """
+    seeded = config.evaluation.noise_seeded or (
+        config.training.dp.enabled and config.training.dp.noise_seeded)
+    return "seeded-simulation" if seeded else "opendp"
+
+
+def _reason(text: str, limit: int = 300) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+class FlowerTransport:
+    """The ``flower`` transport (module docstring).
+
+    Args:
+        grid: the ServerApp's ``flwr.serverapp.Grid``.
+        config: the federation config (``clients``, ``seed``, region partition,
+            ``federation.flower`` timeouts).
+        state_dir: the federation's state folder (the journal lives in it); None: memory.
+        partition: the region partition (default: ``config.data.region_partition``).
+        client_id_of: node id -> client id instead of asking the nodes' partition ids.
+        timeout / connect_timeout / node_count: override ``federation.flower``'s.
+        n_params: the model length (train replies of another length are malformed).
+        journal: an explicit journal (default: one in ``state_dir``).
+    """
+
+    transport = "flower"
+
+    def __init__(self, grid: Any, config: FederationConfig, *,
+                 state_dir: str | os.PathLike | None = None, partition: Any = None,
+                 client_id_of: Callable[[int], int] | None = None,
+                 timeout: float | None = None, connect_timeout: float | None = None,
+                 node_count: int | None = None, n_params: int | None = None,
+                 journal: ExchangeJournal | None = None) -> None:
+        fl = config.flower
+        self.grid = grid
+        self.config = config
+        self.timeout = float(timeout if timeout is not None else fl.timeout_seconds)
+        self.connect_timeout = float(connect_timeout if connect_timeout is not None
+                                     else fl.connect_timeout_seconds)
+        self.node_count = int(node_count or fl.node_count or config.clients)
+        self.client_id_of = client_id_of
+        self.n_params = n_params
+        self._partition = partition
+        self.run_id = self._run_id(grid)
+        self.journal = journal if journal is not None else ExchangeJournal(state_dir, self.run_id)
+        self._lock = threading.Lock()
+        self._roster: Roster | None = None
+        self.node_of: dict[int, int] = {}
+        self.roster_failures: dict[int, str] = {}
+        self.closed = False
+
+    @staticmethod
+    def _run_id(grid: Any) -> int | None:
+        try:
+            return int(grid.run.run_id)
+        except Exception:  # a grid without a run (tests) has none
+            return None
+
+    # ---------------------------------------------------------------- exchange
+    def _send(self, messages: dict[int, Message]) -> tuple[dict[int, Message], dict[int, str]]:
+        """One ``send_and_receive``: client id -> reply message, client id -> failure."""
+        replies: dict[int, Message] = {}
+        failed: dict[int, str] = {}
+        if not messages:
+            return replies, failed
+        client_of_node = {m.metadata.dst_node_id: c for c, m in messages.items()}
+        with self._lock:
+            try:
+                got = list(self.grid.send_and_receive(list(messages.values()),
+                                                      timeout=self.timeout))
+            except Exception as exc:  # the link itself failed: every asked client
+                return {}, {c: f"transport error: {type(exc).__name__}" for c in messages}
+        client_of_msg = {m.metadata.message_id: c for c, m in messages.items()
+                         if m.metadata.message_id}
+        for r in got:
+            c = client_of_msg.get(r.metadata.reply_to_message_id)
+            if c is None:
+                c = client_of_node.get(r.metadata.src_node_id)
+            if c is None or c in replies or c in failed:
+                continue  # not a reply to this exchange, or a duplicate
+            if r.has_error():
+                failed[c] = _reason(f"error reply (code {r.error.code}): {r.error.reason or ''}")
+            else:
+                replies[c] = r
+        for c in messages:
+            if c not in replies and c not in failed:
+                failed[c] = f"no reply within {self.timeout:g} s"
+        return replies, failed
+
+    def _message(self, content: Any, client_id: int, call: str, round_number: int) -> Message:
+        return Message(content=content, dst_node_id=self.node_of[client_id],
+                       message_type=codec.MESSAGE_TYPES[call], group_id=str(round_number))
+
+    def _exchange(self, call: str, round_number: int, contents: dict[int, Any],
+                  decode: Callable[[int, Any], Any], store: Callable[[Any], Any],
+                  load: Callable[[int, Any], Any], unknown: Sequence[int] = ()) -> Replies:
+        """Run (or replay) one exchange of ``call``; ``decode(client, content)`` checks a
+        reply, ``store``/``load`` convert a decoded reply to/from its journal form."""
+        self.journal.prune()
+        h = hashlib.sha256(f"{call}|{round_number}".encode())
+        for c in sorted(contents):
+            h.update(f"|{c}:{codec.content_digest(contents[c])}".encode())
+        for c in sorted(unknown):
+            h.update(f"|{c}:unknown".encode())
+        key = h.hexdigest()[:32]
+        t0 = time.perf_counter()
+        hit = self.journal.lookup(round_number, call, key)
+        if hit is not None:
+            out = Replies({c: load(c, v) for c, v in hit.ok.items()}, dict(hit.failed))
+            self.journal.log(round=round_number, call=call, key=key, status="replayed",
+                             asked=len(contents) + len(unknown), ok=len(out.ok),
+                             failed=len(out.failed), seconds=time.perf_counter() - t0)
+            return out
+        out: Replies = Replies({}, {c: "not a connected node of this federation"
+                                    for c in unknown})
+        messages = {c: self._message(contents[c], c, call, round_number) for c in contents}
+        replies, failed = self._send(messages)
+        out.failed.update(failed)
+        for c, r in replies.items():
+            try:
+                out.ok[c] = decode(c, r.content)
+            except codec.CodecError as exc:
+                out.failed[c] = _reason(f"malformed reply: {exc}")
+            except Exception as exc:  # a reply our decoder could not even walk
+                out.failed[c] = f"malformed reply: {type(exc).__name__}"
+        self.journal.record(round_number, call, key, JournalEntry(
+            {c: store(v) for c, v in out.ok.items()}, dict(out.failed),
+            {"flower_run_id": self.run_id, "round": round_number, "call": call}))
+        self.journal.log(round=round_number, call=call, key=key, status="sent",
+                         asked=len(contents) + len(unknown), ok=len(out.ok),
+                         failed=len(out.failed), seconds=time.perf_counter() - t0)
+        self._failpoint(round_number, call)
+        return out
+
+    def _failpoint(self, round_number: int, call: str) -> None:
+        spec = os.environ.get(FAILPOINT_ENV, "")
+        try:
+            action, rnd, name = spec.split(":")
+            if int(rnd) != round_number or name != call:
+                return
+        except ValueError:
+            return
+        if action == "kill":
+            _log.warning("failpoint: killing the orchestrating process after %s of round %s",
+                         call, round_number)
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif action == "pause":
+            base = self.journal.root or Path(tempfile.gettempdir())
+            marker = Path(base) / f"failpoint-{round_number}-{call}.paused"
+            marker.write_text(str(os.getpid()))
+            deadline = time.monotonic() + 900
+            while marker.exists() and time.monotonic() < deadline:
+                time.sleep(0.2)
+
+    def _split(self, ids: Sequence[int]) -> tuple[list[int], list[int]]:
+        self.roster()
+        known = [c for c in sorted(ids) if c in self.node_of]
+        return known, [c for c in sorted(ids) if c not in self.node_of]
+
+    # ---------------------------------------------------------------- seam
+    def roster(self) -> Roster:
+        """Who exists and where (asked once; module docstring)."""
+        if self._roster is not None:
+            return self._roster
+        from clma.regions import load_partition
+
+        deadline = time.monotonic() + self.connect_timeout
+        nodes = sorted(int(n) for n in self.grid.get_node_ids())
+        while len(nodes) < self.node_count and time.monotonic() < deadline:
+            time.sleep(1.0)
+            nodes = sorted(int(n) for n in self.grid.get_node_ids())
+        if len(nodes) < self.node_count:
+            _log.warning("roster: %d of %d SuperNodes connected after %.0f s; starting with "
+                         "those", len(nodes), self.node_count, self.connect_timeout)
+        claims: dict[int, list[int]] = {}
+        if self.client_id_of is not None:
+            for n in nodes:
+                try:
+                    c = codec._int(self.client_id_of(n), "client_id_of(node)", 0,
+                                   self.config.clients - 1)
+                except (codec.CodecError, KeyError) as exc:
+                    self.roster_failures[n] = f"no client id: {exc}"
+                    continue
+                claims.setdefault(c, []).append(n)
+        else:
+            msgs = {i: Message(content=codec.encode_roster_request(), dst_node_id=n,
+                               message_type=codec.MESSAGE_TYPES["roster"], group_id="roster")
+                    for i, n in enumerate(nodes)}
+            replies, failed = self._send(msgs)
+            for i, why in failed.items():
+                self.roster_failures[nodes[i]] = why
+            for i, r in replies.items():
+                try:
+                    c = codec.decode_roster_reply(r.content, self.config.clients)
+                except codec.CodecError as exc:
+                    self.roster_failures[nodes[i]] = _reason(f"malformed reply: {exc}")
+                    continue
+                claims.setdefault(c, []).append(nodes[i])
+        for c, ns in claims.items():
+            if len(ns) > 1:
+                for n in ns:
+                    self.roster_failures[n] = "another node claims the same partition id"
+            else:
+                self.node_of[c] = ns[0]
+        partition = self._partition
+        if partition is None:
+            partition = load_partition(self.config.data.region_partition)
+        regions = partition.assign(self.config.clients, self.config.seed)
+        self._roster = Roster(tuple(ClientInfo(c, regions[c]) for c in sorted(self.node_of)))
+        self.journal.log(round=0, call="roster", status="sent", asked=len(nodes),
+                         ok=len(self.node_of), failed=len(self.roster_failures),
+                         clients=sorted(self.node_of))
+        return self._roster
+
+    def train(self, request: TrainRequest) -> Replies[ClientUpdate]:
+        known, unknown = self._split(list(request.assignments))
+        contents = {c: codec.encode_train_request(request, c) for c in known}
+
+        def decode(c: int, content: Any) -> ClientUpdate:
+            return codec.decode_train_reply(content, round_number=request.round, client_id=c,
+                                            cohort_id=int(request.assignments[c]),
+                                            n_params=self.n_params)
+
+        return self._exchange(
+            "train", request.round, contents, decode,
+            store=lambda u: (u.params, u.n_samples, u.drift_flag, u.cohort_id),
+            load=lambda c, v: ClientUpdate(c, v[3], v[0], v[1], v[2]), unknown=unknown)
+
+    def _step(self, call: str, round_number: int, contents: dict[int, Any],
+              sessions: Mapping[int, Sequence[str]], unknown: Sequence[int]) -> Replies:
+        def decode(c: int, content: Any) -> dict[str, Any]:
+            return codec.decode_step_reply(call, content, round_number=round_number,
+                                           client_id=c, sessions=sessions[c])
+
+        return self._exchange(call, round_number, contents, decode,
+                              store=lambda items: codec.step_payload(call, items),
+                              load=lambda c, b: codec.step_items_from_payload(call, b),
+                              unknown=unknown)
+
+    def secagg_advertise(self, request: ReportRequest) -> Replies:
+        members = sorted({c for s in request.sessions.values() for c in s.members})
+        known, unknown = self._split(members)
+        contents = {c: codec.encode_report_request(request, c) for c in known}
+        sessions = {c: list(request.sessions_of(c)) for c in known}
+        return self._step("secagg_advertise", request.round, contents, sessions, unknown)
+
+    def _simple(self, call: str, round_number: int,
+                requests: Mapping[int, Mapping[str, Any]]) -> Replies:
+        known, unknown = self._split(list(requests))
+        contents = {c: codec.encode_step_request(call, round_number, c, requests[c])
+                    for c in known}
+        return self._step(call, round_number, contents, {c: list(requests[c]) for c in known},
+                          unknown)
+
+    def secagg_share_keys(self, round: int,  # noqa: A002
+                          requests: Mapping[int, Mapping[str, ShareKeysRequest]]) -> Replies:
+        return self._simple("secagg_share_keys", round, requests)
+
+    def secagg_masked_input(self, round: int,  # noqa: A002
+                            inboxes: Mapping[int, Mapping[str, Sequence[Any]]]) -> Replies:
+        return self._simple("secagg_masked_input", round, inboxes)
+
+    def secagg_unmask(self, round: int,  # noqa: A002
+                      requests: Mapping[int, Mapping[str, Any]]) -> Replies:
+        return self._simple("secagg_unmask", round, requests)
+
+    def close(self) -> None:
+        """Nothing to release: the grid belongs to the ServerApp."""
+        self.closed = True
