@@ -133,17 +133,23 @@ class FlowerTransport:
     # ---------------------------------------------------------------- exchange
     def _send(self, messages: dict[int, Message]) -> tuple[dict[int, Message], dict[int, str]]:
         """One ``send_and_receive``: client id -> reply message, client id -> failure."""
-        replies: dict[int, Message] = {}
-        failed: dict[int, str] = {}
         if not messages:
-            return replies, failed
-        client_of_node = {m.metadata.dst_node_id: c for c, m in messages.items()}
+            return {}, {}
         with self._lock:
             try:
                 got = list(self.grid.send_and_receive(list(messages.values()),
                                                       timeout=self.timeout))
             except Exception as exc:  # the link itself failed: every asked client
                 return {}, {c: f"transport error: {type(exc).__name__}" for c in messages}
+        return self._match(messages, got)
+
+    def _match(self, messages: dict[int, Message], got: Sequence[Message]
+               ) -> tuple[dict[int, Message], dict[int, str]]:
+        """Pair replies with the messages sent (by message id; the SuperLink's own error
+        replies come from node 0): client id -> reply, client id -> failure."""
+        replies: dict[int, Message] = {}
+        failed: dict[int, str] = {}
+        client_of_node = {m.metadata.dst_node_id: c for c, m in messages.items()}
         client_of_msg = {m.metadata.message_id: c for c, m in messages.items()
                          if m.metadata.message_id}
         for r in got:
@@ -286,19 +292,61 @@ class FlowerTransport:
                          clients=sorted(self.node_of))
         return self._roster
 
-    def train(self, request: TrainRequest) -> Replies[ClientUpdate]:
-        known, unknown = self._split(list(request.assignments))
-        contents = {c: codec.encode_train_request(request, c) for c in known}
-
+    def _train_decoder(self, request: TrainRequest) -> Callable[[int, Any], ClientUpdate]:
         def decode(c: int, content: Any) -> ClientUpdate:
             return codec.decode_train_reply(content, round_number=request.round, client_id=c,
                                             cohort_id=int(request.assignments[c]),
                                             n_params=self.n_params)
 
+        return decode
+
+    def train(self, request: TrainRequest) -> Replies[ClientUpdate]:
+        known, unknown = self._split(list(request.assignments))
+        contents = {c: codec.encode_train_request(request, c) for c in known}
         return self._exchange(
-            "train", request.round, contents, decode,
+            "train", request.round, contents, self._train_decoder(request),
             store=lambda u: (u.params, u.n_samples, u.drift_flag, u.cohort_id),
             load=lambda c, v: ClientUpdate(c, v[3], v[0], v[1], v[2]), unknown=unknown)
+
+    # ------------------------------------------------------------ strategy side
+    def messages(self, call: str, request: TrainRequest) -> list[Message]:
+        """The messages of a training call without sending them (a Flower ``Strategy``
+        returns them from ``configure_train``; Flower's loop sends them)."""
+        if call != "train":
+            raise ValueError("messages: only 'train' is sent by Flower's strategy loop")
+        known, _ = self._split(list(request.assignments))
+        return [self._message(codec.encode_train_request(request, c), c, call, request.round)
+                for c in known]
+
+    def collect(self, call: str, request: TrainRequest, sent: Sequence[Message],
+                got: Sequence[Message]) -> tuple[Replies[ClientUpdate], dict[int, Message]]:
+        """The replies Flower's loop received for :meth:`messages`: checked seam replies
+        (every failure a failed entry) and client id -> accepted reply message."""
+        if call != "train":
+            raise ValueError("collect: only 'train' is sent by Flower's strategy loop")
+        by_client = {self._client_of_node(m.metadata.dst_node_id): m for m in sent}
+        replies, failed = self._match(by_client, list(got))
+        out: Replies[ClientUpdate] = Replies({}, dict(failed))
+        for c in request.assignments:
+            if c not in by_client:
+                out.failed[c] = "not a connected node of this federation"
+        decode = self._train_decoder(request)
+        accepted: dict[int, Message] = {}
+        for c, r in replies.items():
+            try:
+                out.ok[c] = decode(c, r.content)
+                accepted[c] = r
+            except codec.CodecError as exc:
+                out.failed[c] = _reason(f"malformed reply: {exc}")
+            except Exception as exc:
+                out.failed[c] = f"malformed reply: {type(exc).__name__}"
+        return out, accepted
+
+    def _client_of_node(self, node: int) -> int:
+        for c, n in self.node_of.items():
+            if n == node:
+                return c
+        raise KeyError(node)
 
     def _step(self, call: str, round_number: int, contents: dict[int, Any],
               sessions: Mapping[int, Sequence[str]], unknown: Sequence[int]) -> Replies:
