@@ -218,6 +218,7 @@ def build_summary(
             "config_fingerprint": cfg.fingerprint(),
             "transport": transport.name,
             "executor": transport.executor,
+            **({"transport_details": transport.details} if transport.details else {}),
         },
         "region_partition": {
             "version": partition.version,
