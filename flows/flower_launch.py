@@ -10,8 +10,9 @@
    connection, ``clma``, from ``[federation.flower]`` (address, TLS or insecure, root
    certificates);
 2. ``flwr run <app_dir> clma --run-config <file> --format json`` -- the run config holds
-   the job's path (server side) and ``config-json`` (:func:`flows.flower_serverapp.device_config`,
-   what the devices need); prints the Flower run id;
+   the job's path (server side), ``config-json`` (:func:`flows.flower_serverapp.device_config`,
+   what the devices need) and ``federation-id`` (:func:`federation_id`: devices keep one
+   state per federation); prints the Flower run id;
 3. streams the run's log (``flwr log <id> clma --stream``) to stderr unless quiet, and
    keeps it in ``<out>/flower/run-<id>.log``;
 4. waits: the ServerApp writes ``result.json`` when the flow ends; ``flwr ls`` gives the
@@ -39,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["FlowerLaunchError", "LaunchResult", "app_dir", "launch"]
+__all__ = ["FlowerLaunchError", "LaunchResult", "app_dir", "federation_id", "launch"]
 
 CONNECTION = "clma"
 #: Environment variables the flow inside the ServerApp receives from ``clma run``.
@@ -65,6 +66,21 @@ class LaunchResult:
     summary: dict[str, Any] | None
     log: Path
     details: str = ""
+
+
+def federation_id(config: Any, state_dir: str | os.PathLike | None) -> str:
+    """The id devices key their state by: the same for every run of a federation with a
+    state folder (its resolved path and the config's resume fingerprint), a fresh one for a
+    run without (it cannot be resumed)."""
+    import hashlib
+    import uuid
+
+    from clma.state import resume_fingerprint
+
+    if state_dir is None:
+        return uuid.uuid4().hex[:24]
+    key = f"{Path(state_dir).resolve()}|{resume_fingerprint(config)}"
+    return hashlib.sha256(key.encode()).hexdigest()[:24]
 
 
 def app_dir(config: Any) -> Path:
@@ -193,7 +209,9 @@ def launch(config: Any, *, out_dir: str | os.PathLike, state_dir: str | os.PathL
     job_path = job.write()
     run_cfg = root / "run-config.toml"
     run_cfg.write_text(f"job = {_toml_str(str(job_path))}\n"
-                       f"config-json = {_toml_str(json.dumps(device_config(config)))}\n", "utf-8")
+                       f"config-json = {_toml_str(json.dumps(device_config(config)))}\n"
+                       f"federation-id = {_toml_str(federation_id(config, state_dir))}\n",
+                       "utf-8")
     cli_env = _cli_env(_flower_home(root, config))
     r = subprocess.run([flwr, "run", str(app), CONNECTION, "--run-config", str(run_cfg),
                         "--format", "json"], env=cli_env, capture_output=True, text=True,

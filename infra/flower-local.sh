@@ -5,6 +5,7 @@
 #   infra/flower-local.sh start N     # SuperLink + N SuperNodes (partition-id 0..N-1)
 #   infra/flower-local.sh stop        # stop them all (whole process groups, nothing left)
 #   infra/flower-local.sh status
+#   infra/flower-local.sh stop-node I # stop SuperNode I only (a client leaves)
 #   infra/flower-local.sh certs [DIR] # self-signed CA + loopback server certificate
 #
 # Each SuperNode i runs the CLMA ClientApp of the runs it receives with
@@ -191,7 +192,11 @@ cmd_status() {
 case "${1:-}" in
     start) shift; cmd_start "$@" ;;
     stop) cmd_stop ;;
+    stop-node)
+        case "${2:-}" in ''|*[!0-9]*) die "usage: $0 stop-node I" ;; esac
+        [ -e "$RUN/supernode-$2.pid" ] || die "no SuperNode $2 in $RUN"
+        stop_pidfile "SuperNode $2" "$RUN/supernode-$2.pid" ;;
     status) cmd_status ;;
     certs) shift; cmd_certs "$@" ;;
-    *) echo "usage: $0 start N | stop | status | certs [DIR]" >&2; exit 2 ;;
+    *) echo "usage: $0 start N | stop | stop-node I | status | certs [DIR]" >&2; exit 2 ;;
 esac

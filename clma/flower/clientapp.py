@@ -20,7 +20,8 @@ Device state -- the detector's :class:`RoundKeyedState`, the round's
 Flower run starts with an empty ``context.state``: to carry the state across runs (a
 resumed federation, one run per scheduled round), give the SuperNode a folder of its own,
 ``--node-config "... state-dir='/var/lib/clma'"``; the state is mirrored there
-(atomically) and read back when the run's context is empty.
+(atomically, one file per federation: run config ``federation-id``) and read back when the
+run's context is empty.
 
 Idempotent per round: a request asked again (a retried or resumed server step) gets the
 reply the device already gave, from its state; a *different* request for a step the device
@@ -110,7 +111,7 @@ class DeviceState:
         if not isinstance(d, str) or not d:
             return None
         pid = context.node_config.get("partition-id", "x")
-        return Path(d) / f"clma-device-{pid}.json"
+        return Path(d) / f"clma-device-{pid}-{federation_of(context)}.json"
 
     @classmethod
     def load(cls, context: Context) -> DeviceState:
@@ -136,6 +137,16 @@ class DeviceState:
                 fh.flush()
                 os.fsync(fh.fileno())
             os.replace(tmp, f)
+
+
+def federation_of(context: Context) -> str:
+    """The federation this run belongs to (run config ``federation-id``, set by the
+    server: the same for a resumed federation, another for a new one); a device keeps one
+    state per federation."""
+    v = context.run_config.get("federation-id")
+    if isinstance(v, str) and v and len(v) <= 64 and all(c.isalnum() or c in "-_" for c in v):
+        return v
+    return "default"
 
 
 # ----------------------------------------------------------------------------- learners

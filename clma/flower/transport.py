@@ -24,14 +24,15 @@
 Flower's objects stay behind this edge: the engine sees only the seam's dataclasses. The
 grid is not thread-safe: calls (e.g. concurrent training chunks) take turns.
 
-Test-only fault injection: ``CLMA_FLOWER_FAILPOINT=<action>:<round>:<call>`` acts right
-after that exchange was recorded in the journal (and only when it was actually sent):
-``kill`` SIGKILLs this process (the orchestrating ServerApp); ``pause`` creates
+Test-only fault injection: ``CLMA_FLOWER_FAILPOINT=<action>:<round>:<call>[,...]`` acts
+right after that exchange was recorded in the journal (and only when it was actually sent):
+``kill`` SIGKILLs this process (the orchestrating ServerApp) and its children; ``pause`` creates
 ``<journal>/failpoint-<round>-<call>.paused`` and waits until that file is removed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -75,6 +76,24 @@ def check_noise_source(config: FederationConfig) -> str:
     seeded = config.evaluation.noise_seeded or (
         config.training.dp.enabled and config.training.dp.noise_seeded)
     return "seeded-simulation" if seeded else "opendp"
+
+
+def _children(pid: int) -> list[int]:
+    """Every descendant of ``pid`` (Linux /proc), deepest first."""
+    parent: dict[int, int] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                parent[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        kids = [c for c, pp in parent.items() if pp == p]
+        out.extend(kids)
+        todo.extend(kids)
+    return out[::-1]
 
 
 def _reason(text: str, limit: int = 300) -> str:
@@ -213,16 +232,20 @@ class FlowerTransport:
         return out
 
     def _failpoint(self, round_number: int, call: str) -> None:
-        spec = os.environ.get(FAILPOINT_ENV, "")
-        try:
-            action, rnd, name = spec.split(":")
-            if int(rnd) != round_number or name != call:
-                return
-        except ValueError:
-            return
+        action = None
+        for spec in os.environ.get(FAILPOINT_ENV, "").split(","):
+            try:
+                a, rnd, name = spec.strip().split(":")
+                if int(rnd) == round_number and name == call:
+                    action = a
+            except ValueError:
+                continue
         if action == "kill":
             _log.warning("failpoint: killing the orchestrating process after %s of round %s",
                          call, round_number)
+            for child in _children(os.getpid()):  # e.g. its temporary Prefect API server
+                with contextlib.suppress(OSError):
+                    os.kill(child, signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)
         elif action == "pause":
             base = self.journal.root or Path(tempfile.gettempdir())

@@ -1,0 +1,120 @@
+"""The pieces of `clma run` on real clients that need no SuperLink: the [federation.flower]
+config rules, the Flower connection file, the job handed to the ServerApp, what the
+devices see of the config, the federation id devices key their state by, and the app
+folder Flower builds."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from clma.config import ConfigError, load_config, validate_config
+from flows.flower_launch import FlowerLaunchError, _flower_home, app_dir, federation_id
+from flows.flower_serverapp import Job, device_config, load_job
+
+LOCAL = Path(__file__).resolve().parents[2] / "clma" / "configs" / "flower_local.toml"
+
+
+@pytest.mark.parametrize(("flower", "extra", "message"), [
+    ({"superlink": "127.0.0.1:0"}, {}, "federation.flower.superlink: port must be an integer in 1..65535"),
+    ({"superlink": "https://a:9093"}, {}, "without a URL scheme"),
+    ({"superlink": "::1:9093"}, {}, "IPv6 host must be written in brackets"),
+    ({"superlink": "nohost"}, {}, "must be host:port"),
+    ({"insecure": True, "root_certificates": "ca.crt"}, {}, "root_certificates: only used with insecure = false"),
+    ({"node_count": 7}, {}, "node_count: at most 'clients' (6)"),
+    ({"timeout_seconds": 0.0}, {}, "federation.flower.timeout_seconds"),
+    ({"colour": "red"}, {}, "federation.flower.colour: unknown field"),
+    ({}, {"evaluation": {"dropout_rate": 0.1}}, "evaluation.dropout_rate: simulates dropouts"),
+])
+def test_flower_connection_rules_name_the_field(flower, extra, message):
+    data = load_config(LOCAL).model_dump(mode="json")
+    data["federation"]["flower"].update(flower)
+    for sec, over in extra.items():
+        data[sec].update(over)
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        validate_config(data)
+
+
+def test_the_flower_section_belongs_to_the_flower_transport():
+    with pytest.raises(ConfigError, match="federation.flower: only applies to federation.transport = 'flower'"):
+        validate_config({"federation": {"flower": {"insecure": True}}})
+    cfg = validate_config({"federation": {"transport": "flower"}})
+    assert cfg.flower.superlink == "127.0.0.1:9093" and cfg.flower.insecure is False
+    local = load_config(LOCAL)
+    assert (local.transport, local.flower.node_count, local.flower.insecure) == ("flower", 6, True)
+    assert local.evaluation.noise_seeded is False  # real clients: secure noise
+
+
+def test_the_connection_file_names_the_superlink_and_its_certificates(tmp_path):
+    cfg = load_config(LOCAL)
+    home = _flower_home(tmp_path, cfg)
+    doc = tomllib.loads((home / "config.toml").read_text())
+    assert doc["superlink"] == {"default": "clma", "clma": {"address": "127.0.0.1:9093",
+                                                           "insecure": True}}
+    ca = tmp_path / "ca.crt"
+    tls = cfg.model_copy(update={"federation": cfg.federation.model_copy(update={
+        "flower": cfg.flower.model_copy(update={"insecure": False, "root_certificates": str(ca)})})})
+    with pytest.raises(FlowerLaunchError, match="root_certificates: .* is not a readable file"):
+        _flower_home(tmp_path / "x", tls)
+    ca.write_text("PEM")
+    doc = tomllib.loads((_flower_home(tmp_path / "y", tls) / "config.toml").read_text())
+    assert doc["superlink"]["clma"] == {"address": "127.0.0.1:9093", "insecure": False,
+                                        "root-certificates": str(ca.resolve())}
+
+
+def test_the_job_round_trips_and_a_foreign_file_is_refused(tmp_path):
+    cfg = load_config(LOCAL)
+    job = Job(config=cfg.model_dump(mode="json"), out_dir=str(tmp_path / "out"),
+              cwd=str(tmp_path), job_dir=str(tmp_path / "job"), state_dir=None, resume=None,
+              max_new_rounds=2, env={"MLFLOW_TRACKING_URI": "sqlite:///x.db"})
+    back = load_job(job.write())
+    assert back == job and validate_config(back.config) == cfg
+    (tmp_path / "bad.json").write_text('{"format": "other"}')
+    with pytest.raises(ValueError, match="is not a clma.flower-job/1 file"):
+        load_job(tmp_path / "bad.json")
+    with pytest.raises(ValueError, match="not a readable job file"):
+        load_job(tmp_path / "missing.json")
+
+
+def test_devices_see_only_what_their_learner_needs():
+    data = load_config(LOCAL).model_dump(mode="json")
+    data["state"]["dir"] = "/srv/clma/state"
+    data["data"]["region_partition"] = "/srv/clma/regions.toml"
+    data["tracking"]["experiment"] = "secret-project"
+    dev = device_config(validate_config(data))
+    assert set(dev) == {"name", "seed", "rounds", "clients", "data", "drift", "model", "training"}
+    assert dev["data"]["region_partition"] is None
+    assert "/srv" not in str(dev) and "secret-project" not in str(dev)
+    cfg = validate_config(dev)  # what the ClientApp validates
+    from clma.sim.federation import build_federation
+
+    full = build_federation(load_config(LOCAL))
+    mine = build_federation(cfg)  # the same shards, whatever the region file
+    for c in full.clients:
+        assert (mine.clients[c].train_y == full.clients[c].train_y).all()
+
+
+def test_federation_id_is_stable_for_a_state_folder_and_fresh_without(tmp_path):
+    cfg = load_config(LOCAL)
+    a = federation_id(cfg, tmp_path / "s")
+    assert a == federation_id(cfg, tmp_path / "s") == federation_id(cfg.with_overrides(rounds=9),
+                                                                    tmp_path / "s")
+    assert a != federation_id(cfg, tmp_path / "t") != federation_id(cfg.with_overrides(seed=3),
+                                                                    tmp_path / "s")
+    assert federation_id(cfg, None) != federation_id(cfg, None)
+
+
+def test_the_app_folder_is_a_valid_flower_app():
+    from flwr.cli.build import build_fab_from_disk
+    from flwr.supercore.object_ref import validate
+
+    app = app_dir(load_config(LOCAL))
+    doc = tomllib.loads((app / "pyproject.toml").read_text())
+    comps = doc["tool"]["flwr"]["app"]["components"]
+    for ref in comps.values():
+        ok, why = validate(ref, project_dir=app)
+        assert ok, why
+    assert set(doc["tool"]["flwr"]["app"]["config"]) == {"config-json", "job", "federation-id"}
+    assert len(build_fab_from_disk(app)) > 0
