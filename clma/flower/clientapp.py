@@ -174,7 +174,9 @@ def digits_learner_factory(context: Context) -> Any:
     with _LEARNERS_LOCK:
         hit = _LEARNERS.get(key)
         if hit is None:
-            hit = _LEARNERS[key] = digits_learner(cfg, pid)
+            state_dir = context.node_config.get("state-dir")
+            cache = state_dir if isinstance(state_dir, str) and state_dir else None
+            hit = _LEARNERS[key] = digits_learner(cfg, pid, cache_dir=cache)
         return hit
 
 

@@ -186,3 +186,24 @@ def test_secure_aggregation_through_the_handlers_sums_the_clipped_reports(run_id
     assert r.error.code == REFUSED
     # nothing secret in any reply; secrets only in the node's state
     assert STATE_KEY in ctxs[0].state and "secagg" in ctxs[0].state[STATE_KEY]["json"]
+
+
+def test_the_digits_learner_is_the_simulations_device_with_or_without_its_cache(world, tmp_path):
+    cfg, fed = world
+    from clma.flower.learner import digits_learner
+    from clma.sim.clients import SimLearner
+
+    for attempt in ("built", "cached"):
+        learner = digits_learner(cfg, 3, cache_dir=tmp_path)
+        assert len(list(tmp_path.glob("digits-shard-*.npz"))) == 1
+        for rnd in (1, 3):  # before and after client 3's label rotation
+            want = SimLearner(fed, fed.clients[3]).fit(fed.initial_model, _settings(cfg), rnd)
+            got = learner.fit(fed.initial_model, _settings(cfg), rnd)
+            np.testing.assert_array_equal(got.params, want.params)
+            assert (got.pre_loss, got.n_samples) == (want.pre_loss, want.n_samples), attempt
+            p1, y1 = SimLearner(fed, fed.clients[3]).predict(fed.initial_model, rnd)
+            p2, y2 = learner.predict(fed.initial_model, rnd)
+            np.testing.assert_array_equal(p1, p2)
+            np.testing.assert_array_equal(y1, y2)
+    with pytest.raises(ValueError, match="partition-id: must be in"):
+        digits_learner(cfg, cfg.clients)
