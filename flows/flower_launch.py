@@ -246,7 +246,7 @@ def launch(config: Any, *, out_dir: str | os.PathLike, state_dir: str | os.PathL
             except (OSError, ValueError):
                 result = {}
             ended = result.get("status") in ("completed", "failed")
-            if ended or time.monotonic() - last_ls > 15:
+            if ended or time.monotonic() - last_ls > 30:
                 last_ls = time.monotonic()
                 status, details = _status(flwr, cli_env, run_id)
                 if status.startswith("finished"):
@@ -254,7 +254,7 @@ def launch(config: Any, *, out_dir: str | os.PathLike, state_dir: str | os.PathL
                 unknown = unknown + 1 if status == "unknown" else 0
                 if ended and time.time() - float(result.get("finished_at", 0)) > 120:
                     break  # the ServerApp said it ended; do not wait forever for Flower
-                if unknown > 40:  # ~10 minutes without an answer from the SuperLink
+                if unknown > 20:  # ~10 minutes without an answer from the SuperLink
                     details = f"the SuperLink stopped answering about run {run_id}"
                     break
     except KeyboardInterrupt:

@@ -78,6 +78,13 @@ def check_noise_source(config: FederationConfig) -> str:
     return "seeded-simulation" if seeded else "opendp"
 
 
+def _flower_log(text: str) -> None:
+    """One line in the Flower run's log (``flwr log``): the operator's view of the steps."""
+    from flwr.supercore import log
+
+    log(logging.INFO, "%s", text)
+
+
 def _children(pid: int) -> list[int]:
     """Every descendant of ``pid`` (Linux /proc), deepest first."""
     parent: dict[int, int] = {}
@@ -206,6 +213,8 @@ class FlowerTransport:
         hit = self.journal.lookup(round_number, call, key)
         if hit is not None:
             out = Replies({c: load(c, v) for c, v in hit.ok.items()}, dict(hit.failed))
+            _flower_log(f"clma: round {round_number} {call}: answered from the journal "
+                        "(a committed exchange is never sent twice)")
             self.journal.log(round=round_number, call=call, key=key, status="replayed",
                              asked=len(contents) + len(unknown), ok=len(out.ok),
                              failed=len(out.failed), seconds=time.perf_counter() - t0)
@@ -225,9 +234,12 @@ class FlowerTransport:
         self.journal.record(round_number, call, key, JournalEntry(
             {c: store(v) for c, v in out.ok.items()}, dict(out.failed),
             {"flower_run_id": self.run_id, "round": round_number, "call": call}))
+        seconds = time.perf_counter() - t0
         self.journal.log(round=round_number, call=call, key=key, status="sent",
                          asked=len(contents) + len(unknown), ok=len(out.ok),
-                         failed=len(out.failed), seconds=time.perf_counter() - t0)
+                         failed=len(out.failed), seconds=seconds)
+        _flower_log(f"clma: round {round_number} {call}: {len(contents)} asked, "
+                    f"{len(out.ok)} answered, {len(out.failed)} failed ({seconds:.1f} s)")
         self._failpoint(round_number, call)
         return out
 
@@ -313,6 +325,8 @@ class FlowerTransport:
         self.journal.log(round=0, call="roster", status="sent", asked=len(nodes),
                          ok=len(self.node_of), failed=len(self.roster_failures),
                          clients=sorted(self.node_of))
+        _flower_log(f"clma: roster: {len(self.node_of)} of {len(nodes)} SuperNodes are "
+                    f"clients {sorted(self.node_of)}")
         return self._roster
 
     def _train_decoder(self, request: TrainRequest) -> Callable[[int, Any], ClientUpdate]:
