@@ -209,3 +209,25 @@ def test_layout_selector_indices_pick_the_selected_arrays_entries():
     np.testing.assert_array_equal(idx, np.arange(6 * 4 + 4, 6 * 4 + 4 + 12 + 3))
 
 
+
+
+def test_dp_fedavg_on_flower_charges_the_training_line_each_round(run_id, world, tmp_path):
+    cfg, fed = world
+    data = cfg.model_dump()
+    data["training"]["dp"] = {"enabled": True, "clipping_bound": 1.0, "noise_multiplier": 1.0}
+    from clma.config import validate_config
+
+    dp = _ledgered(validate_config(data), tmp_path / "flower")
+    strat = CLMA(config=dp, assets=fed.assets(), cohorter=make_cohorter(dp),
+                 min_available_nodes=6)
+    strat.start(grid=_grid(cfg), initial_arrays=_initial(cfg, fed), num_rounds=2)
+    ref_cfg = _ledgered(validate_config(data), tmp_path / "engine")
+    eng = FederationEngine(ref_cfg, fed.assets(), SimulatedClients(fed), budget=open_budget(ref_cfg))
+    for r in (1, 2):
+        eng.run_round(r)
+    training = [e for e in strat.engine.budget.ledger.entries() if e["line"] == "training"]
+    assert [(e["round"], e["release"], e["status"]) for e in training] == [
+        (0, "training.dp-fedavg", "committed"), (1, "training.dp-fedavg", "committed")]
+    for c, v in eng.state.cohort_models.items():  # the same DP-FedAvg release, bitwise
+        np.testing.assert_array_equal(strat.cohort_models[c], v)
+    assert not np.array_equal(strat.cohort_models[0], fed.initial_model)
