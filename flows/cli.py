@@ -291,7 +291,7 @@ def _run_on_flower(args: argparse.Namespace, cfg: Any, done: int) -> int:
                          state_dir=None if state_dir is None else str(state_dir),
                          resume=None if state_dir is None else args.resume is not None,
                          quiet=args.quiet, on_round=on_round, on_start=on_start)
-        except FlowerLaunchError as exc:
+        except (FlowerLaunchError, ValueError) as exc:  # ValueError: the noise rule
             print(f"clma: {exc}", file=sys.stderr)
             return 2
     if res.summary is None or res.status != "finished:completed":

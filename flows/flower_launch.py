@@ -186,9 +186,11 @@ def launch(config: Any, *, out_dir: str | os.PathLike, state_dir: str | os.PathL
         FlowerLaunchError: Flower's CLI is missing, the app folder or the root certificates
             are not there, or the SuperLink refused the run.
     """
+    from clma.flower.transport import check_noise_source
     from flows.flower_serverapp import Job, device_config
     from tasks.tracking import default_tracking_uri
 
+    check_noise_source(config)  # refused here, before anything is submitted
     app = app_dir(config)
     if not (app / "pyproject.toml").is_file():
         raise FlowerLaunchError(f"federation.flower.app_dir: {str(app)!r} has no pyproject.toml "

@@ -118,3 +118,26 @@ def test_the_app_folder_is_a_valid_flower_app():
         assert ok, why
     assert set(doc["tool"]["flwr"]["app"]["config"]) == {"config-json", "job", "federation-id"}
     assert len(build_fab_from_disk(app)) > 0
+
+
+@pytest.mark.slow
+def test_clma_run_without_a_superlink_fails_naming_it(tmp_path):
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as sock:  # a loopback port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cfg = tmp_path / "nolink.toml"
+    cfg.write_text(LOCAL.read_text().replace("127.0.0.1:9093", f"127.0.0.1:{port}"))
+    env = dict(os.environ, PREFECT_HOME=str(tmp_path / "ph"), FLWR_TELEMETRY_ENABLED="0",
+               FLWR_DISABLE_UPDATE_CHECK="1")
+    r = subprocess.run([str(Path(sys.executable).with_name("clma")), "run", "--config", str(cfg),
+                        "--out", str(tmp_path / "out"), "--quiet"], env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 2
+    assert f"clma: flwr run on 127.0.0.1:{port} failed" in r.stderr
+    assert "Connection to the SuperLink is unavailable" in r.stderr
+    assert not (tmp_path / "out" / "summary.json").exists()
