@@ -1,13 +1,14 @@
 """The exchange journal of the Flower transport: no committed client exchange runs twice.
 
 Every exchange the transport completes (one protocol call of one round: a training
-chunk, a secure-aggregation step) is recorded under a key that digests the exact messages
-sent (:func:`clma.flower.codec.content_digest`). A later call with the same key -- a Prefect
-retry, or the same round re-run after the orchestrating process crashed and the
-federation was resumed from its last committed round -- gets the recorded replies back
-without a single message being sent. Rounds are deterministic given the committed state
-(every random choice is seeded by (seed, round)), so a resumed round asks exactly the
-same exchanges and the replayed replies are the ones the clients gave.
+chunk, a secure-aggregation step) is recorded with, per client, the digest of the exact
+message it was sent (:func:`clma.flower.codec.content_digest`) and its outcome. When a
+later call of the same round and step asks a client the same message -- a Prefect retry,
+or the round re-run after the orchestrating process crashed and the federation was resumed
+from its last committed round -- that client gets its recorded outcome back and is not
+sent anything; only clients the record does not cover are asked. Rounds are deterministic
+given the committed state (every random choice is seeded by (seed, round)), so a resumed
+round asks the same messages (a client that has since left is simply not asked).
 
 With a state folder the journal lives in ``<state dir>/flower/`` (server-internal, not
 part of the committed snapshots):
@@ -136,6 +137,60 @@ class ExchangeJournal:
             return self._load(p, train)
         except (OSError, ValueError, KeyError):  # a torn or foreign file: not a record
             return None
+
+    def covered(self, round_number: int, call: str, digests: Mapping[int, str]
+                ) -> dict[int, tuple[str, Any]]:
+        """The clients whose exact request (``digests``: client id -> digest of the message
+        it would be sent) a recorded exchange of this round and call already carried:
+        client id -> ``("ok", stored reply)`` or ``("failed", reason)``, as recorded."""
+        entries: list[JournalEntry] = []
+        with self._lock:
+            entries += [e for (r, c, _), e in self._memory.items()
+                        if r == round_number and c == call]
+        if self.root is not None:
+            folder = self.root / "rounds" / f"round_{round_number:06d}"
+            train = call == "train"
+            for f in sorted(folder.glob(f"{call}-*.{'npz' if train else 'json'}")):
+                try:
+                    entries.append(self._load(f, train))
+                except (OSError, ValueError, KeyError):  # torn or foreign: not a record
+                    continue
+        out: dict[int, tuple[str, Any]] = {}
+        for e in entries:
+            sent = {int(c): d for c, d in e.meta.get("digests", {}).items()}
+            for c, d in digests.items():
+                if c in out or sent.get(c) != d:
+                    continue
+                if c in e.ok:
+                    out[c] = ("ok", e.ok[c])
+                elif c in e.failed:
+                    out[c] = ("failed", e.failed[c])
+        return out
+
+    def clients_in_progress(self) -> set[int]:
+        """Clients that recorded exchanges of rounds not committed yet were sent: a resumed
+        round asks them again (a client gone since is a dropout of the steps it misses,
+        not a change of the round)."""
+        out: set[int] = set()
+        done = self.committed()
+        with self._lock:
+            for (r, _, _), e in self._memory.items():
+                if r > done:
+                    out |= {int(c) for c in e.meta.get("digests", {})}
+        if self.root is None or not (self.root / "rounds").is_dir():
+            return out
+        for folder in (self.root / "rounds").iterdir():
+            if not folder.name.startswith("round_") or int(folder.name[6:]) <= done:
+                continue
+            for f in folder.iterdir():
+                if f.suffix not in (".json", ".npz") or f.name.startswith("."):
+                    continue
+                try:
+                    e = self._load(f, f.suffix == ".npz")
+                except (OSError, ValueError, KeyError):
+                    continue
+                out |= {int(c) for c in e.meta.get("digests", {})}
+        return out
 
     def record(self, round_number: int, call: str, key: str, entry: JournalEntry) -> None:
         """Record one completed exchange (atomically, before its replies are used)."""

@@ -7,7 +7,9 @@
   each once for its ``partition-id`` (one ``query.clma_roster`` round-trip; the partition id
   is the client id) and places it in its region of the public partition
   (``clma.regions.load_partition(...).assign(clients, seed)``). A node that does not answer,
-  answers badly or claims a partition id another node claims too is left out.
+  answers badly or claims a partition id another node claims too is left out. Clients the
+  journal shows were asked in a round not committed yet stay in the roster even when not
+  connected now (a resumed round is the same round; they are dropouts of what they miss).
 * every other call is ONE ``grid.send_and_receive`` for all the clients it asks, with
   ``timeout`` seconds for the replies; the secure-aggregation steps carry all the sessions
   of a client in one message (:mod:`clma.flower.codec`), so an evaluation round costs four
@@ -18,8 +20,8 @@
   own checks follow (:func:`clma.engine.clients.check_update`, the secure-aggregation
   server's). A call never raises for a client's behaviour.
 * every completed exchange is recorded in the :class:`clma.flower.journal.ExchangeJournal`
-  before its replies are used; asked again (a retry, a resumed round) it is answered from
-  the journal, so no client exchange of a committed step runs twice.
+  before its replies are used; a client asked the same message again (a retry, a resumed
+  round) gets its recorded outcome, so no client exchange of a committed step runs twice.
 
 Flower's objects stay behind this edge: the engine sees only the seam's dataclasses. The
 grid is not thread-safe: calls (e.g. concurrent training chunks) take turns.
@@ -147,6 +149,7 @@ class FlowerTransport:
         self._roster: Roster | None = None
         self.node_of: dict[int, int] = {}
         self.roster_failures: dict[int, str] = {}
+        self.absent: list[int] = []
         self.closed = False
 
     @staticmethod
@@ -200,46 +203,58 @@ class FlowerTransport:
     def _exchange(self, call: str, round_number: int, contents: dict[int, Any],
                   decode: Callable[[int, Any], Any], store: Callable[[Any], Any],
                   load: Callable[[int, Any], Any], unknown: Sequence[int] = ()) -> Replies:
-        """Run (or replay) one exchange of ``call``; ``decode(client, content)`` checks a
-        reply, ``store``/``load`` convert a decoded reply to/from its journal form."""
+        """Run one exchange of ``call``: clients whose exact message a recorded exchange
+        already carried get their recorded outcome; the others are asked (one
+        ``send_and_receive``) and the exchange is recorded before its replies are used.
+        ``decode(client, content)`` checks a reply; ``store`` / ``load`` convert a decoded
+        reply to and from its journal form."""
         self.journal.prune()
-        h = hashlib.sha256(f"{call}|{round_number}".encode())
-        for c in sorted(contents):
-            h.update(f"|{c}:{codec.content_digest(contents[c])}".encode())
-        for c in sorted(unknown):
-            h.update(f"|{c}:unknown".encode())
-        key = h.hexdigest()[:32]
         t0 = time.perf_counter()
-        hit = self.journal.lookup(round_number, call, key)
-        if hit is not None:
-            out = Replies({c: load(c, v) for c, v in hit.ok.items()}, dict(hit.failed))
+        digests = {c: codec.content_digest(contents[c]) for c in sorted(contents)}
+        h = hashlib.sha256(f"{call}|{round_number}".encode())
+        for c, d in digests.items():
+            h.update(f"|{c}:{d}".encode())
+        key = h.hexdigest()[:32]
+        out: Replies = Replies({}, {c: "not a connected node of this federation"
+                                    for c in unknown})
+        for c, (kind, v) in self.journal.covered(round_number, call, digests).items():
+            if kind == "ok":
+                out.ok[c] = load(c, v)
+            else:
+                out.failed[c] = v
+        replayed = len(out.ok) + len(out.failed) - len(unknown)
+        todo = {c: contents[c] for c in contents if c not in out.ok and c not in out.failed}
+        if not todo:
             _flower_log(f"clma: round {round_number} {call}: answered from the journal "
                         "(a committed exchange is never sent twice)")
             self.journal.log(round=round_number, call=call, key=key, status="replayed",
                              asked=len(contents) + len(unknown), ok=len(out.ok),
                              failed=len(out.failed), seconds=time.perf_counter() - t0)
             return out
-        out: Replies = Replies({}, {c: "not a connected node of this federation"
-                                    for c in unknown})
-        messages = {c: self._message(contents[c], c, call, round_number) for c in contents}
+        messages = {c: self._message(todo[c], c, call, round_number) for c in todo}
         replies, failed = self._send(messages)
-        out.failed.update(failed)
+        new: Replies = Replies({}, dict(failed))
         for c, r in replies.items():
             try:
-                out.ok[c] = decode(c, r.content)
+                new.ok[c] = decode(c, r.content)
             except codec.CodecError as exc:
-                out.failed[c] = _reason(f"malformed reply: {exc}")
+                new.failed[c] = _reason(f"malformed reply: {exc}")
             except Exception as exc:  # a reply our decoder could not even walk
-                out.failed[c] = f"malformed reply: {type(exc).__name__}"
+                new.failed[c] = f"malformed reply: {type(exc).__name__}"
         self.journal.record(round_number, call, key, JournalEntry(
-            {c: store(v) for c, v in out.ok.items()}, dict(out.failed),
-            {"flower_run_id": self.run_id, "round": round_number, "call": call}))
+            {c: store(v) for c, v in new.ok.items()}, dict(new.failed),
+            {"flower_run_id": self.run_id, "round": round_number, "call": call,
+             "digests": {str(c): digests[c] for c in todo}}))
+        out.ok.update(new.ok)
+        out.failed.update(new.failed)
         seconds = time.perf_counter() - t0
         self.journal.log(round=round_number, call=call, key=key, status="sent",
                          asked=len(contents) + len(unknown), ok=len(out.ok),
-                         failed=len(out.failed), seconds=seconds)
-        _flower_log(f"clma: round {round_number} {call}: {len(contents)} asked, "
-                    f"{len(out.ok)} answered, {len(out.failed)} failed ({seconds:.1f} s)")
+                         failed=len(out.failed), sent=len(todo), replayed=replayed,
+                         seconds=seconds)
+        _flower_log(f"clma: round {round_number} {call}: {len(todo)} asked, "
+                    f"{len(new.ok)} answered, {len(new.failed)} failed ({seconds:.1f} s)"
+                    + (f"; {replayed} from the journal" if replayed else ""))
         self._failpoint(round_number, call)
         return out
 
@@ -321,12 +336,19 @@ class FlowerTransport:
         if partition is None:
             partition = load_partition(self.config.data.region_partition)
         regions = partition.assign(self.config.clients, self.config.seed)
-        self._roster = Roster(tuple(ClientInfo(c, regions[c]) for c in sorted(self.node_of)))
+        # a round in progress (resumed after a crash) keeps the clients it asked: one gone
+        # since is a dropout of the steps it misses, not a different round
+        members = set(self.node_of) | {c for c in self.journal.clients_in_progress()
+                                       if 0 <= c < self.config.clients}
+        self.absent = sorted(members - set(self.node_of))
+        self._roster = Roster(tuple(ClientInfo(c, regions[c]) for c in sorted(members)))
         self.journal.log(round=0, call="roster", status="sent", asked=len(nodes),
                          ok=len(self.node_of), failed=len(self.roster_failures),
                          clients=sorted(self.node_of))
         _flower_log(f"clma: roster: {len(self.node_of)} of {len(nodes)} SuperNodes are "
-                    f"clients {sorted(self.node_of)}")
+                    f"clients {sorted(self.node_of)}"
+                    + (f"; clients {self.absent} of the round in progress are not connected"
+                       if self.absent else ""))
         return self._roster
 
     def _train_decoder(self, request: TrainRequest) -> Callable[[int, Any], ClientUpdate]:

@@ -255,7 +255,9 @@ def test_after_a_crash_no_exchange_of_a_committed_step_is_sent_again(
     StateStore(state).commit(3, {"registry.json": b"{}"})
     t2.journal.prune()
     assert not (state / "flower" / "rounds").exists() or not any((state / "flower" / "rounds").iterdir())
-    assert (state / "flower" / "progress.jsonl").read_text().count('"replayed"') == len(replayed)
+    on_disk = [__import__("json").loads(x) for x in
+               (state / "flower" / "progress.jsonl").read_text().splitlines()]
+    assert sum(x["status"] == "replayed" for x in on_disk) == len(replayed)
 
 
 def test_journal_replays_the_recorded_replies_exactly(tmp_path):
@@ -301,3 +303,51 @@ def test_header_only_replies_and_foreign_records_never_raise(run_id, world, tmp_
     r = eng.train(ctx)
     assert r.failed == {0: "malformed reply: clma.call: must be 'train'"}
     assert sorted(r.ok) == [1, 2, 3, 4, 5]
+
+
+def test_a_client_gone_at_resume_leaves_the_others_exchanges_replayed(run_id, world, tmp_path):
+    """Node 5 fails its round-3 training and is gone when the federation resumes: the
+    resumed round asks the remaining five the same messages, all answered from the
+    journal (nothing sent); later steps are asked afresh."""
+    cfg, fed = world
+    state, nodes = tmp_path / "state", tmp_path / "nodes"
+
+    class Dying(LoopbackGrid):
+        def send_and_receive(self, messages, *, timeout=None):
+            messages = list(messages)
+            if any(m.metadata.message_type == "evaluate.clma_share_keys"
+                   and m.metadata.group_id == "3" for m in messages):
+                raise Crash()
+            return super().send_and_receive(messages, timeout=timeout)
+
+    first = _grid(cfg, nodes)
+    first.__class__ = Dying
+    t1 = FlowerTransport(first, cfg, partition=fed.partition, state_dir=state, timeout=1)
+    e1 = _engine(cfg, fed, t1, tmp_path / "ledger")
+    from clma.engine.state import restore_files, snapshot_files
+    from clma.state import StateStore
+
+    e1.run_round(1)
+    e1.run_round(2)
+    files = snapshot_files(e1.state)
+    StateStore(state).commit(2, files)  # round 2 committed: its exchanges are pruned
+    first.down = {1005}  # silent from round 3 on
+    with pytest.raises(Crash):
+        e1.run_round(3)
+    second = _grid(cfg, nodes)
+    del second.contexts[1005]  # gone: not a node of the new run
+    t2 = FlowerTransport(second, cfg, partition=fed.partition, state_dir=state,
+                         connect_timeout=1)
+    b = _budgeted(cfg, tmp_path / "ledger")
+    e2 = FederationEngine(b, fed.assets(), t2, budget=open_budget(b),
+                          state=restore_files(files, 2))
+    assert e2.roster.client_ids == [0, 1, 2, 3, 4, 5] and t2.absent == [5]
+    res = e2.run_round(3)
+    assert res.participants == 5 and res.dropouts == 1  # as in the first run's round 3
+    sent3 = [k for k, _ in second.sent if k != "query.clma_roster"]
+    assert "train" not in sent3 and "evaluate.clma_advertise" not in sent3
+    status = {(ln["round"], ln["call"]): ln["status"] for ln in t2.journal.lines}
+    assert status[(3, "train")] == status[(3, "secagg_advertise")] == "replayed"
+    assert status[(3, "secagg_share_keys")] == "sent"
+    assert res.regional["metrics"]["accuracy"]["global"] is not None or \
+        res.regional["budget"]["refused"]  # released (or refused by the cap), never lost
