@@ -141,3 +141,30 @@ def test_clma_run_without_a_superlink_fails_naming_it(tmp_path):
     assert f"clma: flwr run on 127.0.0.1:{port} failed" in r.stderr
     assert "Connection to the SuperLink is unavailable" in r.stderr
     assert not (tmp_path / "out" / "summary.json").exists()
+
+
+def test_a_scheduled_run_on_the_flower_transport_submits_the_serverapp(tmp_path, monkeypatch):
+    import flows.flower_launch as launcher
+    from flows.flower_launch import LaunchResult
+    from flows.serve import scheduled_federation_flow
+
+    calls = []
+
+    def fake_launch(cfg, **kw):
+        calls.append((cfg, kw))
+        return LaunchResult("123", "finished:completed", {"schema": "clma.summary/1"},
+                            tmp_path / "log")
+
+    monkeypatch.setattr(launcher, "launch", fake_launch)
+    out = scheduled_federation_flow.fn(str(LOCAL), str(tmp_path / "state"), 2)
+    assert out == {"schema": "clma.summary/1"}
+    (cfg, kw), = calls
+    assert cfg.transport == "flower" and kw["max_new_rounds"] == 2
+    assert kw["state_dir"] == str(tmp_path / "state") and kw["resume"] is None
+
+    def failed(cfg, **kw):
+        return LaunchResult("124", "finished:failed", None, tmp_path / "log", "boom")
+
+    monkeypatch.setattr(launcher, "launch", failed)
+    with pytest.raises(RuntimeError, match="Flower run 124 ended finished:failed: boom"):
+        scheduled_federation_flow.fn(str(LOCAL), str(tmp_path / "state"), 1)
