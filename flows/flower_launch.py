@@ -267,6 +267,14 @@ def launch(config: Any, *, out_dir: str | os.PathLike, state_dir: str | os.PathL
         time.sleep(2.0)  # the last log lines
         _stop_group(streamer)
         pump.join(timeout=5)
+    for _ in range(30):  # Flower may say "finished" before we read the ServerApp's last word
+        try:
+            result = json.loads((root / "result.json").read_text("utf-8"))
+        except (OSError, ValueError):
+            result = {}
+        if result.get("status") != "running" or not status.startswith("finished"):
+            break
+        time.sleep(1.0)
     summary = None
     if result.get("status") == "completed":
         try:
