@@ -1,23 +1,28 @@
 """One CLMA round with many simulated clients on three engines (issue 8, benchmark).
 
-Same config, model and data (digits, ``build_federation``; training and evaluation are
-``clma.sim.federation.train_clients`` / ``evaluate_clients`` on every engine):
+Same config, model and data (digits, ``build_federation``; on every engine the devices
+train with ``clma.device.train_on_device`` -- the Flower arm still calls the old
+``clma.sim.federation`` client functions until it is rebuilt on the engine):
 
-* ``prefect-threads``: the Prefect round flow on its default ``ThreadPoolTaskRunner``;
-* ``prefect-dask``: the same flow with the client tasks on a local Dask cluster of 2 worker
-  processes x 1 thread (``orchestration.dask_local_workers = 2``);
+* ``prefect-threads``: the Prefect round flow over the in-process simulated clients
+  (``federation.transport = "simulation"``);
+* ``prefect-dask``: the same flow with the simulated devices hosted by a local Dask
+  cluster of 2 worker processes x 1 thread (the ``dask`` transport,
+  ``orchestration.dask_local_workers = 2``);
 * ``flower-ray``: the ``clma.flower.CLMA`` strategy in Flower's simulation engine (Ray,
   2 CPUs, 1 CPU per ClientApp), one SuperNode per client.
 
 Per engine: the round's wall time (Prefect: the ``round_flow`` call; Flower: the
 ``strategy.start`` call inside the ServerApp, i.e. without Ray start-up), ``client`` =
-time spent inside the client functions (``train_clients`` + ``evaluate_clients``, timed
-where they run: threads, Dask workers, Ray actors; summed over calls) as wall time and as
-the calling thread's CPU time (``time.thread_time``; torch runs single-threaded), and the
-orchestration overhead ``round - client_cpu / slots`` with ``slots = 2`` (2 cores, 2 workers,
-2 Ray CPUs: the client work's best case on 2 parallel slots). Engine start-up (Prefect API,
-Dask cluster, Ray) is printed separately. Divergence scoring and the private release are
-off (``divergence.enabled = false``, ``evaluation.every`` > rounds) so the three engines do
+time spent inside the client functions (Prefect: ``train_on_device`` on the devices plus
+the simulation's ground-truth evaluation; Flower: training + evaluation in the
+ClientApps; timed where they run: this process, Dask workers, Ray actors; summed over
+calls) as wall time and as the calling thread's CPU time (``time.thread_time``; torch
+runs single-threaded), and the orchestration overhead ``round - client_cpu / slots`` with
+``slots = 2`` (2 cores, 2 workers, 2 Ray CPUs: the client work's best case on 2 parallel
+slots). Engine start-up (Prefect API, transport: Dask cluster and its device actors, Ray)
+is printed separately. Divergence scoring and the private release are off
+(``divergence.enabled = false``, ``evaluation.every`` > rounds) so the three engines do
 the same work: train, FedAvg/cohorting, evaluate.
 
     .venv/bin/python benchmarks/bench_scale_out.py            # 200 clients
@@ -74,11 +79,11 @@ chunk_size = 8
 
 # ---------------------------------------------------------------- timing wrappers
 def _times() -> list[float]:
-    """Per-process list of client-function durations, kept on ``tasks.round`` (a module
-    every engine's process imports; functions shipped by value share no globals)."""
-    import tasks.round as tr
+    """Per-process list of client-function durations, kept on ``clma.sim.clients`` (the
+    module every simulated device's process imports: this one, each Dask worker)."""
+    import clma.sim.clients as sc
 
-    return tr.__dict__.setdefault("_bench_client_seconds", [])
+    return sc.__dict__.setdefault("_bench_client_seconds", [])
 
 
 def _timed(fn):
@@ -93,11 +98,13 @@ def _timed(fn):
 
 
 def _patch_tasks() -> None:
-    import tasks.round as tr
+    """Time the devices' training (``train_on_device``, looked up by SimulatedClients at
+    each call) and the simulation's ground truth (``SimulatedClients.truth``)."""
+    import clma.sim.clients as sc
 
-    if not hasattr(tr.train_clients, "__wrapped__"):
-        tr.train_clients = _timed(tr.train_clients)
-        tr.evaluate_clients = _timed(tr.evaluate_clients)
+    if not hasattr(sc.train_on_device, "__wrapped__"):
+        sc.train_on_device = _timed(sc.train_on_device)
+        sc.SimulatedClients.truth = _timed(sc.SimulatedClients.truth)
 
 
 class _TimingPlugin:
@@ -120,36 +127,36 @@ def _worker_reset() -> None:
 
 # ---------------------------------------------------------------- engines
 def run_prefect(cfg, dask_workers: int | None) -> dict[str, float]:
-    from clma.sim.federation import build_federation
+    from clma.engine import FederationEngine
     from flows.federation import round_flow
-    from tasks.scale_out import open_client_runner
+    from flows.transport import open_transport
 
     t0 = time.perf_counter()
     if dask_workers:
         cfg = cfg.model_copy(update={"orchestration": cfg.orchestration.model_copy(
             update={"dask_local_workers": dask_workers})})
-    runner = open_client_runner(cfg)
-    if runner._client is not None:
+    transport = open_transport(cfg)
+    dask = getattr(transport.clients, "_client", None)  # DaskClients' distributed.Client
+    if dask is not None:
         from distributed.diagnostics.plugin import WorkerPlugin
 
         class Plugin(_TimingPlugin, WorkerPlugin):
             pass
 
-        runner._client.register_plugin(Plugin())
-        runner._client.run(_worker_reset)
+        dask.register_plugin(Plugin())
+        dask.run(_worker_reset)
+    engine = FederationEngine(cfg, transport.assets, transport.clients)
     startup = time.perf_counter() - t0
-    fed = build_federation(cfg)
     _times().clear()
-    flow = runner.apply(round_flow)
     t0 = time.perf_counter()
-    flow(fed, 1)
+    round_flow(engine, transport, 1)
     wall = time.perf_counter() - t0
-    if runner._client is not None:
-        per_worker = runner._client.run(_worker_times).values()
-        client, cpu = sum(w for w, _ in per_worker), sum(c for _, c in per_worker)
-    else:
-        client, cpu = _worker_times()
-    runner.close()
+    client, cpu = _worker_times()  # this process: the ground truth (and in-process devices)
+    if dask is not None:
+        per_worker = dask.run(_worker_times).values()
+        client += sum(w for w, _ in per_worker)
+        cpu += sum(c for _, c in per_worker)
+    transport.close()
     return {"startup": startup, "round": wall, "client": client, "cpu": cpu}
 
 
@@ -298,9 +305,9 @@ def main(argv: list[str] | None = None) -> int:
         over = r["round"] - r["cpu"] / SLOTS
         print(f"{name:<17}{r['startup']:>10.2f}{r['round']:>10.2f}{r['client']:>14.2f}"
               f"{r['cpu']:>13.2f}{over:>12.2f}{100 * over / r['round']:>10.1f}%")
-    print("client wall/cpu = wall / thread CPU time inside train_clients + evaluate_clients, "
-          "summed over calls (wall includes waiting for the CPU or the GIL: threads inflate "
-          "it); overhead = round - client cpu / slots")
+    print("client wall/cpu = wall / thread CPU time inside the client functions (devices' "
+          "training + ground-truth evaluation), summed over calls (wall includes waiting for "
+          "the CPU or the GIL: threads inflate it); overhead = round - client cpu / slots")
     return 0
 
 

@@ -155,22 +155,28 @@ class ModelConfig(_Strict):
 
 
 class DPFedAvgConfig(_Strict):
-    """DP-FedAvg on the server (McMahan et al., ICLR 2018): clipped client updates,
-    Gaussian noise ``sigma = noise_multiplier * clipping_bound / n_cohort`` on each
-    cohort's mean update. Off by default (it costs accuracy); when on, every round charges
-    the ledger's training line and training backs off when that line is refused."""
+    """DP-FedAvg on the server (McMahan et al., ICLR 2018) with the fixed-denominator
+    estimator: client updates clipped to L2 norm ``clipping_bound`` C, summed per cohort,
+    Gaussian noise of std ``noise_multiplier * 2C`` (the replace-one sensitivity of the
+    sum) added once, divided by the cohort's public denominator D (expected participants,
+    fixed before the round). Off by default (it costs accuracy); when on, every round
+    charges the ledger's training line as a sample without replacement of the clients
+    (RDP accounting) and training backs off when that line is refused."""
 
     enabled: bool = False
     clipping_bound: Annotated[float, Field(gt=0.0, le=1e6)] = Field(
         default=1.0, description="L2 norm bound of one client's update (params - start model)."
     )
     noise_multiplier: Annotated[float, Field(gt=0.0, le=1e6)] = Field(
-        default=1.0, description="sigma / clipping_bound on the summed clipped updates."
+        default=1.0, description="z = sigma / (2 * clipping_bound): noise std on the sum of "
+        "clipped updates over its replace-one L2 sensitivity."
     )
     noise_seeded: bool = Field(
-        default=True,
-        description="True: seeded simulation noise (reproducible, NOT private); "
-        "False: OpenDP's secure sampler.",
+        default=False,
+        description="False (default): OpenDP's secure sampler. True: seeded simulation "
+        "noise for experiments and tests: reproducible and NOT private (labelled on every "
+        "release; refused with real clients or servers unless "
+        "testing.allow_seeded_noise_not_private).",
     )
 
 
@@ -200,7 +206,7 @@ class BudgetConfig(_Strict):
     policy: str | None = Field(
         default=None,
         description="Privacy policy TOML (a path, or the file name of a policy bundled in "
-        "clma/policy/); None = clma/policy/privacy_policy_v1.toml.",
+        "clma/policy/); None = clma/policy/privacy_policy_v2.toml.",
     )
 
     @field_validator("policy")
@@ -264,9 +270,11 @@ class EvaluationConfig(_Strict):
         default=5.0, description="Clipping bound L_max of the mean loss, in nats."
     )
     noise_seeded: bool = Field(
-        default=True,
-        description="True: noise from a seeded simulation sampler (reproducible, NOT for "
-        "production); False: OpenDP's secure sampler.",
+        default=False,
+        description="False (default): OpenDP's secure sampler. True: seeded simulation "
+        "noise for experiments and tests: reproducible and NOT private (labelled on every "
+        "release; refused with real clients or servers unless "
+        "testing.allow_seeded_noise_not_private).",
     )
     global_epsilon: Annotated[float, Field(gt=0.0, le=100.0)] | None = Field(
         default=None, description="Epsilon of the global release; None = epsilon."
@@ -279,10 +287,23 @@ class EvaluationConfig(_Strict):
         description="Simulated probability that a client drops out of an evaluation "
         "round's secure aggregation (seeded).",
     )
-    secagg_threshold: Annotated[float, Field(gt=0.5, le=1.0)] = Field(
-        default=0.6,
-        description="Secure-aggregation threshold t as a fraction of each client's share "
-        "holders (a strict majority); below t survivors a group is not evaluated.",
+    secagg_corrupted_fraction: Annotated[float, Field(ge=0.0, lt=0.5)] = Field(
+        default=0.05,
+        description="Assumed fraction of clients colluding with the server (gamma): "
+        "secure aggregation stays private against it with probability >= "
+        "1 - 2^-secagg_statistical_security (clma.privacy.secagg).",
+    )
+    secagg_dropout_fraction: Annotated[float, Field(ge=0.0, lt=0.5)] = Field(
+        default=0.10,
+        description="Fraction of a group's clients that may drop out (delta): the secure "
+        "sum completes with probability >= 1 - 2^-secagg_correctness when at most this "
+        "many drop; choose it above the expected dropout rate.",
+    )
+    secagg_statistical_security: Annotated[int, Field(ge=20, le=128)] = Field(
+        default=40, description="sigma, bits of the secure-aggregation privacy bound."
+    )
+    secagg_correctness: Annotated[int, Field(ge=1, le=64)] = Field(
+        default=20, description="eta, bits of the secure-aggregation completion bound."
     )
     baseline_from_round: PositiveInt = Field(
         default=1,
@@ -336,8 +357,14 @@ class TrackingConfig(_Strict):
     )
     log_models: bool = Field(
         default=True,
-        description="Log each cohort's model as an MLflow model in every round it changes "
-        "and register it with the alias cohort-<id> (needs lineage).",
+        description="Log each cohort's model as an MLflow model and register it with the "
+        "alias cohort-<id> (needs lineage): when the cohort is created, every "
+        "models_every rounds while it changes, and at the end of each flow run.",
+    )
+    models_every: PositiveInt = Field(
+        default=5,
+        description="Rounds between two logged versions of a changing cohort model "
+        "(1 = every round; exporting a model costs about a second).",
     )
     dashboards: bool = Field(
         default=True,
@@ -498,6 +525,17 @@ class TransportConfig(_Strict):
     )
 
 
+class ForTestingConfig(_Strict):
+    """Settings that exist for tests only. Never set them in production."""
+
+    allow_seeded_noise_not_private: bool = Field(
+        default=False,
+        description="TESTING ONLY: let seeded noise (evaluation.noise_seeded / "
+        "training.dp.noise_seeded: reproducible, NOT private) run with the Flower transport "
+        "or a configured Prefect server; the equality tests of a real deployment need it.",
+    )
+
+
 class FederationConfig(_Strict):
     """The whole federation. Load with :func:`load_config`; every field has a default."""
 
@@ -518,6 +556,30 @@ class FederationConfig(_Strict):
     state: StateConfig = Field(default_factory=StateConfig)
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
     federation: TransportConfig = Field(default_factory=TransportConfig)
+    testing: ForTestingConfig = Field(default_factory=ForTestingConfig)
+
+    @property
+    def seeded_noise(self) -> bool:
+        """Whether any release of this federation draws seeded (NOT private) noise."""
+        return self.evaluation.noise_seeded or (self.training.dp.enabled
+                                                and self.training.dp.noise_seeded)
+
+    def seeded_noise_refusal(self, *, real_server: bool, real_clients: bool = False
+                             ) -> str | None:
+        """Why this config may not run here (None: it may): seeded noise with the Flower
+        transport (real clients; also ``real_clients``: a Flower strategy of
+        :mod:`clma.flower`, whatever ``federation.transport`` says) or a real Prefect server
+        (``real_server``), unless ``testing.allow_seeded_noise_not_private``."""
+        if not self.seeded_noise or self.testing.allow_seeded_noise_not_private:
+            return None
+        where = ("the flower transport (real clients)"
+                 if real_clients or self.transport == "flower"
+                 else "a configured Prefect server (PREFECT_API_URL)" if real_server else None)
+        if where is None:
+            return None
+        return (f"evaluation.noise_seeded / training.dp.noise_seeded: seeded noise is "
+                f"reproducible and NOT private, and is refused with {where}; set "
+                "testing.allow_seeded_noise_not_private = true only in tests")
 
     @property
     def transport(self) -> str:

@@ -14,6 +14,12 @@ One round (CLMA, Adarsh N L et al., CODS-COMAD 2024, Algorithms 1-3):
    child cohort whose model is the FedAvg of its members' updates.
 6. :func:`merge_reconverged` — optionally, cohorts whose models reconverged merge.
 
+Under DP-FedAvg, step 4 is :func:`dp_aggregate_per_cohort` (clipped updates summed per
+cohort, Gaussian noise ``N(0, (2 z C)^2)`` on the sum, divided by a public per-cohort
+denominator: the fixed-denominator estimator), and one round is charged as the Gaussian
+mechanism on a sample without replacement of :func:`selection_size` clients, under
+replace-one adjacency (:mod:`clma.budget.accounting`).
+
 Vectors are float32 ``(n_params,)``: the full model state (``AllParams``) for averaging,
 and the ``param_selector``'s sub-vector for cohorting.
 """
@@ -43,8 +49,11 @@ __all__ = [
     "merge_reconverged",
     "DPFedAvgResult",
     "clip_update",
-    "dp_fedavg",
     "dp_aggregate_per_cohort",
+    "dp_fedavg",
+    "expected_participants",
+    "replace_one_sensitivity",
+    "selection_size",
 ]
 
 
@@ -77,13 +86,22 @@ class CohortingOutcome:
 def select_clients(
     client_ids: Sequence[int], participation: float, rng: np.random.Generator
 ) -> list[int]:
-    """Seeded uniform selection of ``ceil(participation * n)`` clients (all when 1.0)."""
+    """Uniform selection without replacement of exactly
+    ``selection_size(len(client_ids), participation)`` clients (all when 1.0), sorted.
+
+    Under DP-FedAvg this is the sampling the training charge accounts
+    (``MechanismEvent.gaussian_sampled_without_replacement(z, len(client_ids), k)``).
+    Privacy amplification by sampling holds only if the sample is secret: ``rng`` must
+    not be derivable from published values (e.g. ``np.random.default_rng()``, seeded from
+    the OS, or a seed kept server-side), or the charge must be that of the whole
+    population (``sample_size == population_size``).
+    """
     ids = sorted(client_ids)
     if not ids:
         raise ValueError("client_ids: no clients to select from")
     if not 0.0 < participation <= 1.0:
         raise ValueError("participation must be in (0, 1]")
-    k = int(np.ceil(participation * len(ids)))
+    k = selection_size(len(ids), participation)
     if k >= len(ids):
         return ids
     return sorted(int(c) for c in rng.choice(ids, size=k, replace=False))
@@ -271,11 +289,13 @@ def merge_reconverged(
 class DPFedAvgResult:
     """Result of :func:`dp_fedavg` for one cohort.
 
-    ``model``: float32 ``(n_params,)`` = reference + noisy mean of the clipped updates;
-    ``sigma``: standard deviation of the Gaussian noise added to each coordinate of the
-    mean (``noise_multiplier * clipping_bound / n_clients``); ``n_clients``; ``n_clipped``:
-    updates whose L2 norm exceeded the bound; ``noise_source``: ``opendp`` or
-    ``seeded-simulation``.
+    ``model``: float32 ``(n_params,)``, the released cohort model. ``sigma``: standard
+    deviation of the Gaussian noise in each coordinate of ``model``
+    (``noise_multiplier * 2 * clipping_bound / denominator``, whatever the number of
+    clients). ``n_clients``: updates summed (server-side, never published);
+    ``n_clipped``: updates whose L2 norm exceeded the bound; ``noise_source``: ``opendp``
+    or ``seeded-simulation``; ``denominator``: the public denominator;
+    ``estimator``: ``fixed_denominator``.
     """
 
     model: np.ndarray
@@ -283,6 +303,50 @@ class DPFedAvgResult:
     n_clients: int
     n_clipped: int
     noise_source: str
+    denominator: float
+    estimator: str = "fixed_denominator"
+
+
+def selection_size(population_size: int, participation: float) -> int:
+    """How many clients :func:`select_clients` draws: ``ceil(participation * N)``, at most
+    ``N`` (the ``sample_size`` of the round's training charge, ``N`` its
+    ``population_size``).
+
+    Raises:
+        ValueError: ``population_size`` not a positive integer, or ``participation``
+            outside (0, 1].
+    """
+    if isinstance(population_size, bool) or not isinstance(population_size, int | np.integer) \
+            or population_size < 1:
+        raise ValueError("population_size must be a positive integer")
+    if not 0.0 < participation <= 1.0:
+        raise ValueError("participation must be in (0, 1]")
+    return min(int(np.ceil(participation * int(population_size))), int(population_size))
+
+
+def expected_participants(cohort_size: int, *, population_size: int, sample_size: int) -> float:
+    """The recommended public denominator of a cohort for :func:`dp_fedavg`: the expected
+    number of the cohort's clients in a uniform sample of ``sample_size`` of the
+    ``population_size`` clients, ``sample_size * cohort_size / population_size``, at
+    least 1 (``participation * cohort_size`` up to the rounding of the sample size).
+
+    ``cohort_size`` is the number of the cohort's members in the population, fixed before
+    the round (not how many took part).
+
+    Raises:
+        ValueError: a size that is negative, not an integer, or ``sample_size`` outside
+            ``[1, population_size]`` / ``cohort_size > population_size``.
+    """
+    sizes = {"cohort_size": cohort_size, "population_size": population_size,
+             "sample_size": sample_size}
+    for name, v in sizes.items():
+        if isinstance(v, bool) or not isinstance(v, int | np.integer) or v < 0:
+            raise ValueError(f"{name} must be a non-negative integer")
+    if not 1 <= sample_size <= population_size:
+        raise ValueError("sample_size must be in [1, population_size]")
+    if cohort_size > population_size:
+        raise ValueError("cohort_size must be at most population_size")
+    return max(1.0, int(sample_size) * int(cohort_size) / int(population_size))
 
 
 def clip_update(update: np.ndarray, clipping_bound: float) -> tuple[np.ndarray, bool]:
@@ -303,47 +367,83 @@ def clip_update(update: np.ndarray, clipping_bound: float) -> tuple[np.ndarray, 
     return u * (c / norm), True
 
 
+def replace_one_sensitivity(clipping_bound: float) -> float:
+    """L2 sensitivity of a sum of updates clipped to ``clipping_bound`` when one client's
+    update is replaced by any other: ``2 * clipping_bound`` (``||u - u'|| <= ||u|| + ||u'||``,
+    attained by opposite updates of norm ``C``)."""
+    c = float(clipping_bound)
+    if not (math.isfinite(c) and c > 0.0):
+        raise ValueError("clipping_bound must be a positive finite number")
+    return 2.0 * c
+
+
 def dp_fedavg(
     client_params: Sequence[np.ndarray],
     reference: np.ndarray,
     *,
     clipping_bound: float,
     noise_multiplier: float,
+    denominator: float,
     seed: int | np.random.Generator | None = None,
 ) -> DPFedAvgResult:
-    """DP-FedAvg server step for one cohort (McMahan, Ramage, Talwar & Zhang, ICLR 2018,
-    Algorithm 1 with the fixed-denominator estimator).
+    """DP-FedAvg server step for one cohort with the fixed-denominator estimator
+    (McMahan, Ramage, Talwar & Zhang, "Learning Differentially Private Recurrent Language
+    Models", ICLR 2018, Algorithm 1, estimator ``f~_f``, client weights 1).
 
-    Each client's update ``params - reference`` is clipped to L2 norm ``clipping_bound``
-    (:func:`clip_update`); the clipped updates are averaged with equal weights over the
-    ``n`` clients, and Gaussian noise ``N(0, sigma^2 I)`` with
-    ``sigma = noise_multiplier * clipping_bound / n`` is added once to the mean (the L2
-    sensitivity of the mean to adding or removing one client is ``clipping_bound / n``,
-    so the release is the Gaussian mechanism with noise multiplier ``noise_multiplier``;
-    charge it as ``MechanismEvent.gaussian(noise_multiplier, sampling_probability)``).
+    With ``u_i = params_i - reference``, ``C = clipping_bound``, ``z = noise_multiplier``
+    and ``D = denominator``::
+
+        Delta_i = u_i * min(1, C / ||u_i||_2)                  (clip_update)
+        S       = sum_i Delta_i                                (float64)
+        model   = reference + (S + N(0, (2 z C)^2 I)) / D      (float32)
+
+    The replace-one L2 sensitivity of ``S`` is ``2 C`` (:func:`replace_one_sensitivity`),
+    so ``S + noise`` is the Gaussian mechanism with noise multiplier ``z`` under
+    replace-one adjacency, and dividing by the public ``D`` is post-processing. The noise
+    in each coordinate of the released model has standard deviation ``sigma = 2 z C / D``
+    whatever the number of clients ``n`` that took part (``n = 0`` releases
+    ``reference + noise / D``). Charge one round (all cohorts together: a client is in one
+    cohort per round) as
+    ``MechanismEvent.gaussian_sampled_without_replacement(z, population_size,
+    sample_size)`` for clients drawn by :func:`select_clients`.
+
+    ``D`` must be fixed before the round and not depend on who took part, e.g. the
+    expected number of participants of the cohort (:func:`expected_participants`). It is
+    recoverable from the released model (its noise level is ``2 z C / D``), so it must be
+    a value that may be published.
 
     Args:
-        client_params: the cohort's client vectors, each float32 ``(n_params,)``.
+        client_params: the cohort's client vectors, each float32 ``(n_params,)`` (may be
+            empty: ``reference + noise / D`` is released).
         reference: the cohort model the clients started from, float32 ``(n_params,)``.
         clipping_bound: L2 bound ``C`` of one update (> 0).
-        noise_multiplier: ``z`` (> 0).
+        noise_multiplier: ``z`` (> 0), noise std over the replace-one sensitivity ``2 C``.
+        denominator: ``D`` (> 0, finite), public and fixed before the round.
         seed: ``None`` draws from OpenDP's Gaussian sampler
             (:func:`clma.privacy.mechanisms.sample`); an int or Generator uses numpy
-            (reproducible simulation, ``noise_source="seeded-simulation"``).
+            (reproducible simulation, ``noise_source="seeded-simulation"``, not private).
 
     Returns:
         :class:`DPFedAvgResult` (model float32 ``(n_params,)``).
 
     Raises:
-        ValueError: no clients, mismatched shapes, non-finite vectors or bad parameters.
+        ValueError: mismatched shapes, non-finite vectors, a bad ``clipping_bound``,
+            ``noise_multiplier`` or ``denominator``.
     """
     from clma.privacy.mechanisms import sample
 
-    if not client_params:
-        raise ValueError("client_params: a cohort needs at least one client update")
     z = float(noise_multiplier)
     if not (math.isfinite(z) and z > 0.0):
         raise ValueError("noise_multiplier must be a positive finite number")
+    c = float(clipping_bound)
+    if not (math.isfinite(c) and c > 0.0):
+        raise ValueError("clipping_bound must be a positive finite number")
+    try:
+        d = float(denominator)
+    except (TypeError, ValueError):
+        raise ValueError("denominator must be a positive finite number") from None
+    if isinstance(denominator, bool) or not (math.isfinite(d) and d > 0.0):
+        raise ValueError("denominator must be a positive finite number")
     ref = np.asarray(reference, dtype=np.float64)
     if ref.ndim != 1 or not np.all(np.isfinite(ref)):
         raise ValueError("reference must be a finite 1-D vector")
@@ -353,15 +453,16 @@ def dp_fedavg(
         v = np.asarray(p, dtype=np.float64)
         if v.shape != ref.shape:
             raise ValueError("client_params must all have the reference's shape")
-        clipped, was = clip_update(v - ref, clipping_bound)
+        clipped, was = clip_update(v - ref, c)
         total += clipped
         n_clipped += int(was)
     n = len(client_params)
-    sigma = z * float(clipping_bound) / n
-    noisy_mean, source = sample(total / n, sigma, mechanism="gaussian", seed=seed)
-    model = (ref + np.asarray(noisy_mean, dtype=np.float64)).astype(np.float32)
-    return DPFedAvgResult(model=model, sigma=sigma, n_clients=n, n_clipped=n_clipped,
-                          noise_source=str(source))
+    noise_std = z * replace_one_sensitivity(c)
+    noisy_sum, source = sample(total, noise_std, mechanism="gaussian", seed=seed)
+    model = (ref + np.asarray(noisy_sum, dtype=np.float64) / d).astype(np.float32)
+    return DPFedAvgResult(model=model, sigma=noise_std / d, n_clients=n, n_clipped=n_clipped,
+                          noise_source=str(source), denominator=d,
+                          estimator="fixed_denominator")
 
 
 def dp_aggregate_per_cohort(
@@ -371,19 +472,56 @@ def dp_aggregate_per_cohort(
     *,
     clipping_bound: float,
     noise_multiplier: float,
-    seed: int | None = None,
+    denominators: Mapping[int, float],
+    seed: int | np.random.Generator | None = None,
 ) -> tuple[dict[int, np.ndarray], dict[int, DPFedAvgResult]]:
     """:func:`dp_fedavg` within each cohort over its non-quarantined members (the DP
-    counterpart of :func:`aggregate_per_cohort`; equal client weights). A cohort with no
-    usable update keeps its model. ``seed`` (int) derives one numpy stream per cohort;
-    ``None`` uses OpenDP. Returns the new models and the per-cohort results."""
+    counterpart of :func:`aggregate_per_cohort`; equal client weights).
+
+    ``denominators`` (cohort id -> public denominator ``D``, e.g.
+    :func:`expected_participants`): the cohorts released this round. Each of them is
+    released with the fixed-denominator estimator, also when none of its clients took part
+    (its model is then ``reference + noise / D``: whether anyone took part is not
+    revealed); cohorts not in it keep their model.
+
+    ``seed``: an int derives one numpy stream per cohort (``default_rng([seed, cohort])``);
+    a Generator is drawn from in increasing cohort order; ``None`` uses OpenDP. The
+    round's training charge is one
+    ``MechanismEvent.gaussian_sampled_without_replacement(noise_multiplier,
+    population_size, sample_size)``.
+
+    Returns:
+        The new models (cohort id -> float32 ``(n_params,)``) and the per-cohort results.
+
+    Raises:
+        ValueError: a denominator for a cohort without a model in ``cohort_models``, a
+            cohort with usable updates but no denominator, a bad denominator, or any
+            :func:`dp_fedavg` error.
+    """
     groups = _usable_by_cohort(updates, quarantined)
     out = dict(cohort_models)
     results: dict[int, DPFedAvgResult] = {}
-    for cid, members in sorted(groups.items()):
-        s = None if seed is None else np.random.default_rng([int(seed), int(cid)])
-        res = dp_fedavg([u.params for u in members], cohort_models[cid],
-                        clipping_bound=clipping_bound, noise_multiplier=noise_multiplier, seed=s)
+
+    def stream(cid: int) -> int | np.random.Generator | None:
+        if seed is None or isinstance(seed, np.random.Generator):
+            return seed
+        return np.random.default_rng([int(seed), int(cid)])
+
+    if not isinstance(denominators, Mapping):
+        raise ValueError("denominators must map cohort id -> denominator")
+    unknown = sorted(c for c in denominators if c not in cohort_models)
+    if unknown:
+        raise ValueError(f"denominators: cohort {unknown[0]} has no model in cohort_models")
+    missing = sorted(c for c in groups if c not in denominators)
+    if missing:
+        raise ValueError(f"denominators: cohort {missing[0]} has usable updates but no"
+                         " denominator (every released cohort needs its public denominator)")
+    for cid in sorted(denominators):
+        members = groups.get(cid, [])
+        res = dp_fedavg(
+            [u.params for u in members], cohort_models[cid],
+            clipping_bound=clipping_bound, noise_multiplier=noise_multiplier,
+            denominator=denominators[cid], seed=stream(cid))
         out[cid] = res.model
         results[cid] = res
     return out, results

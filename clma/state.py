@@ -13,6 +13,9 @@ A state directory holds one federation::
         <name>.json                 documents of the orchestration layer (MLflow run ids,
                                     dashboards, per-round records)
       progress.json                 last round started (operators, tests)
+      audit/secure_sums_round_NNN.json  every set of clients whose secure sum the server
+                                    learned in round NNN (server-internal; checkable rule:
+                                    each set and each difference of nested sets >= floor)
       ledger/                       the privacy ledger (its own transactional SQLite store)
       .lock                         flock: one flow run at a time per state directory
 
@@ -240,6 +243,21 @@ class StateStore:
         _write_synced(tmp, json.dumps({"started_round": int(round_number),
                                        "pid": os.getpid()}).encode())
         os.replace(tmp, self.root / "progress.json")
+
+    def write_audit(self, round_number: int, sums: list[dict[str, Any]]) -> Path:
+        """Write ``audit/secure_sums_round_NNN.json`` (atomically; a re-run replaces it).
+
+        ``sums``: ``[{"group", "session", "clients": [ids], "status"}]``.
+        """
+        folder = self.root / "audit"
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"secure_sums_round_{int(round_number):03d}.json"
+        tmp = folder / f".{path.name}.tmp-{os.getpid()}"
+        doc = {"schema": "clma.audit.secure_sums/1", "round": int(round_number),
+               "secure_sums": list(sums)}
+        _write_synced(tmp, (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode())
+        os.replace(tmp, path)
+        return path
 
     def progress(self) -> dict[str, Any] | None:
         p = self.root / "progress.json"

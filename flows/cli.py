@@ -105,6 +105,15 @@ def _load(args: argparse.Namespace):
     return cfg
 
 
+_BAND_LABEL = {"none": "0", "below_minimum": "<m", "minimum_to_under_double": "m-2m",
+               "double_to_under_fourfold": "2m-4m", "fourfold_or_more": ">=4m"}
+
+
+def _band(band: str, m: int) -> str:
+    """Short console label of a published count band."""
+    return _BAND_LABEL.get(band, band)
+
+
 def _fmt_regional(rec_regional: dict[str, Any] | None) -> str:
     """Published accuracy of one evaluation round: global, then each released region."""
     if not rec_regional:
@@ -189,6 +198,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
         print(f"clma: invalid configuration: {exc}", file=sys.stderr)
         return 2
 
+    if cfg.seeded_noise:
+        print("clma: WARNING: seeded noise (evaluation.noise_seeded / training.dp.noise_seeded)"
+              ": this run's releases are reproducible and NOT private", file=sys.stderr)
     _quiet_prefect_defaults()
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -226,21 +238,24 @@ def _cmd_run(args: argparse.Namespace) -> int:
         )
 
     if not args.quiet:
+        m = summary["federation"]["min_cohort"]
         table = Table(title=f"{cfg.name} (seed {cfg.seed})")
-        for col in ("round", "cohorts (sizes)", "flagged", "published accuracy ± 95% bar"):
+        for col in ("round", "cohorts (members)", "flagged", "published accuracy ± 95% bar"):
             table.add_column(col)
         for r in summary["rounds"]:
-            sizes = ", ".join(f"{k}:{v}" for k, v in r["cohorts"].items())
-            table.add_row(str(r["round"]), sizes, str(r["flagged_clients"]),
+            sizes = ", ".join(f"{k}:{_band(v, m)}" for k, v in r["cohorts"].items())
+            table.add_row(str(r["round"]), sizes, _band(r["flagged_clients"], m),
                           _fmt_regional(r["regional"]))
         Console().print(table)
-        gt = summary["ground_truth"]
-        Console().print(
-            f"ground truth (simulation): ARI per drift event {gt['ari_per_drift_event']}, "
-            f"stationary final accuracy {gt['stationary_final_accuracy']:.3f}, "
-            f"drifted final accuracy "
-            f"{gt['drifted_final_accuracy'] if gt['drifted_final_accuracy'] is None else round(gt['drifted_final_accuracy'], 3)}"
-        )
+        Console().print(f"counts of clients are bands relative to the cohort floor m = {m}")
+        gt = summary["sim_truth"]
+        if gt is not None:
+            Console().print(
+                f"simulation ground truth: ARI per drift event {gt['ari_per_drift_event']}, "
+                f"stationary final accuracy {gt['stationary_final_accuracy']:.3f}, "
+                f"drifted final accuracy "
+                f"{gt['drifted_final_accuracy'] if gt['drifted_final_accuracy'] is None else round(gt['drifted_final_accuracy'], 3)}"
+            )
         Console().print(f"summary: {args.out / 'summary.json'}  MLflow run: "
                         f"{summary['mlflow']['run_id']}  Prefect flow run: "
                         f"{summary['prefect']['flow_run_id']}")

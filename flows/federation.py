@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,10 +24,11 @@ from typing import Any
 from prefect import flow
 from prefect.runtime import flow_run
 
-from clma.config import FederationConfig
+from clma.config import ConfigError, FederationConfig
 from clma.divergence import probe_digest
 from clma.engine import FederationEngine, RoundResult, open_budget
 from clma.engine.divergence import DivergenceOutcome
+from clma.release import count_band
 from clma.sim.truth import drift_event_ari, families_separated, mean_or_none
 from flows.transport import Transport, open_transport
 from tasks.budget import report_budget_round
@@ -46,12 +48,14 @@ from tasks.tracking import FederationTracker
 
 __all__ = ["RoundRecord", "federation_flow", "round_flow", "run_federation", "SUMMARY_SCHEMA"]
 
-SUMMARY_SCHEMA = "clma.summary/1"
+SUMMARY_SCHEMA = "clma.summary/2"
 
 
 @dataclass
 class RoundRecord:
-    """What one round produced (operator view; no client ids in published parts)."""
+    """What one round produced (server side: exact counts, kept in the server's state
+    folder; everything published from it goes through :func:`published_round`, which
+    shows participant bands instead of counts)."""
 
     round: int
     cohorts: dict[int, int]
@@ -139,10 +143,8 @@ def round_flow(
 
 
 def _round_metrics(rec: RoundRecord) -> dict[str, float]:
-    m: dict[str, float] = {
+    m: dict[str, float] = {  # counts of cohorts, never of clients (those are bands)
         "n_cohorts": len(rec.cohorts),
-        "quarantined_clients": rec.quarantined,
-        "flagged_clients": rec.flagged,
         "new_cohorts": len(rec.new_cohorts),
         "merges": len(rec.merges),
         "round_seconds": rec.seconds,
@@ -157,22 +159,40 @@ def _round_metrics(rec: RoundRecord) -> dict[str, float]:
             m[f"sim_truth.{k}"] = rec.truth[k]
     if "drift_event" in rec.truth:
         m["sim_truth.drift_event_ari"] = rec.truth["drift_event"]["ari"]
-    if rec.divergence:  # distribution and count only: nothing per client
+    if rec.divergence:  # distribution statistics only: no client, no count of clients
         for signal in ("representation", "parameter"):
-            for k in ("median", "mad", "max_z", "n_flagged"):
+            for k in ("median", "mad", "max_z"):
                 v = rec.divergence[signal][k]
                 if v is not None:
                     m[f"divergence.{signal}.{k}"] = v
-        m["divergence.n_flagged"] = rec.divergence["n_flagged"]  # under divergence.signal
-        m["divergence.quarantined_atypical"] = rec.divergence["quarantined_atypical"]
     return m
 
 
+_DIVERGENCE_COUNTS = ("n_flagged", "quarantined_atypical", "n_reweighted", "n_clients")
+
+
+def _banded_divergence(div: dict[str, Any] | None, min_cohort: int) -> dict[str, Any] | None:
+    """The id-free divergence summary with every count of clients as a band."""
+    if div is None:
+        return None
+    out: dict[str, Any] = {}
+    for k, v in div.items():
+        if isinstance(v, dict):
+            out[k] = _banded_divergence(v, min_cohort)
+        elif k in _DIVERGENCE_COUNTS and isinstance(v, int):
+            out[f"{k}_band"] = count_band(v, min_cohort)
+        else:
+            out[k] = v
+    return out
+
+
 def cohort_history_artifact(engine: FederationEngine) -> dict[str, Any]:
-    """Cohort history without client ids: per round, cohort id -> member count; lineage."""
+    """Cohort history without client ids or counts: per round, cohort id -> members' band;
+    lineage events with the band of the clients concerned."""
+    m = engine.evaluator.min_cohort
     return {
         "rounds": {
-            str(r): {str(c): len(m) for c, m in cohorts.items()}
+            str(r): {str(c): count_band(len(mem), m) for c, mem in cohorts.items()}
             for r, cohorts in engine.state.registry.history.items()
         },
         "lineage": [
@@ -181,11 +201,38 @@ def cohort_history_artifact(engine: FederationEngine) -> dict[str, Any]:
                 "round": e.round,
                 "parents": e.parents,
                 "children": e.children,
-                "n_clients": len(e.clients),
+                "clients_band": count_band(len(e.clients), m),
                 "reason": e.reason,
             }
             for e in engine.state.registry.lineage
         ],
+    }
+
+
+def noise_label(config: FederationConfig) -> dict[str, Any]:
+    """Where the run's DP noise comes from, and whether its releases are private."""
+    seeded = config.seeded_noise
+    return {"source": "seeded-simulation" if seeded else "opendp", "private": not seeded,
+            **({"warning": "seeded noise: reproducible and NOT private (experiments and "
+                           "tests only)"} if seeded else {})}
+
+
+def published_round(r: RoundRecord, min_cohort: int) -> dict[str, Any]:
+    """One round as published (``summary.json``): every count of clients as a band
+    (:func:`clma.release.count_band`), no client ids."""
+    return {
+        "round": r.round,
+        "cohorts": {str(k): count_band(v, min_cohort) for k, v in sorted(r.cohorts.items())},
+        "flagged_clients": count_band(r.flagged, min_cohort),
+        "quarantined_clients": count_band(r.quarantined, min_cohort),
+        "new_cohorts": {str(k): {"parent": v["parent"],
+                                 "band": count_band(v["size"], min_cohort)}
+                        for k, v in sorted(r.new_cohorts.items())},
+        "merges": r.merges,
+        "regional": r.regional,
+        # atypical-client scores: distribution statistics and bands, no ids
+        "divergence": _banded_divergence(r.divergence, min_cohort),
+        "seconds": round(r.seconds, 3),
     }
 
 
@@ -198,10 +245,11 @@ def build_summary(
     tracking_uri: str | None,
     prefect_flow_run_id: str | None,
 ) -> dict[str, Any]:
-    """The ``summary.json`` document (schema ``clma.summary/1``, see README)."""
+    """The ``summary.json`` document (schema ``clma.summary/2``, see README)."""
     cfg = engine.config
     partition = engine.assets.partition
     reg = engine.state.registry
+    m = engine.evaluator.min_cohort
     events = {
         str(r.round): r.truth["drift_event"]["ari"] for r in records if "drift_event" in r.truth
     }
@@ -218,6 +266,8 @@ def build_summary(
             "config_fingerprint": cfg.fingerprint(),
             "transport": transport.name,
             "executor": transport.executor,
+            "noise": noise_label(cfg),
+            "min_cohort": m,
             **({"transport_details": transport.details} if transport.details else {}),
         },
         "region_partition": {
@@ -227,25 +277,11 @@ def build_summary(
         },
         "mlflow": {"run_id": mlflow_run_id, "tracking_uri": tracking_uri},
         "prefect": {"flow_run_id": prefect_flow_run_id},
-        "rounds": [
-            {
-                "round": r.round,
-                "cohorts": {str(k): v for k, v in sorted(r.cohorts.items())},
-                "flagged_clients": r.flagged,
-                "quarantined_clients": r.quarantined,
-                "new_cohorts": {str(k): v for k, v in r.new_cohorts.items()},
-                "merges": r.merges,
-                "regional": r.regional,
-                # atypical-client scores: distribution statistics and counts only, no ids
-                "divergence": r.divergence,
-                "seconds": round(r.seconds, 3),
-            }
-            for r in records
-        ],
+        "rounds": [published_round(r, m) for r in records],
         "final_cohorts": {
-            str(c): len(reg.members(c)) for c in reg.active_cohorts()
+            str(c): count_band(len(reg.members(c)), m) for c in reg.active_cohorts()
         },
-        "ground_truth": {
+        "sim_truth": None if transport.simulation is None else {
             "note": "simulation ground truth; never part of a private release",
             "ari_per_drift_event": events,
             "families_separated_every_event": all(
@@ -304,6 +340,9 @@ def federation_flow(
     own_transport = transport is None
     try:  # set-up; the round loop's own try/finally releases everything after it
         config = session.config  # with a state dir, the ledger lives in it
+        refusal = config.seeded_noise_refusal(real_server=bool(os.environ.get("PREFECT_API_URL")))
+        if refusal is not None:
+            raise ConfigError(refusal)
         if transport is None:
             transport = open_transport(config, state_dir)
         budget = open_budget(config) if config.budget.enabled else None
@@ -327,9 +366,8 @@ def federation_flow(
                     "clma.prefect_flow_run_id": prefect_id or "",
                     "clma.cohorting": "clma" if config.cohort.enabled else "fedavg",
                     "clma.transport": transport.name,
-                    "clma.noise_source": "seeded-simulation"
-                    if config.evaluation.noise_seeded
-                    else "opendp",
+                    "clma.noise_source": noise_label(config)["source"],
+                    "clma.releases_private": str(noise_label(config)["private"]).lower(),
                     "clma.sim_truth_metrics": "true" if transport.simulation else "false",
                     "clma.probe_sha256": probe_digest(transport.assets.probe_x),
                 },

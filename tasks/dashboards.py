@@ -243,24 +243,28 @@ def publish_dashboards(history: DashboardHistory, report: Mapping[str, Any], *,
 
     Returns ``metric -> PNG path`` (None when no out folder was given).
     """
+    import tempfile
+
     import matplotlib.pyplot as plt
 
     history.add_report(report)
     figs = dashboard_figures(history)
     written: dict[str, Path | None] = {}
+    tmp = None if out_dir else tempfile.TemporaryDirectory(prefix="clma-dashboards-")
     try:
+        folder = Path(out_dir) / "dashboards" if out_dir else Path(tmp.name)  # type: ignore[union-attr]
+        folder.mkdir(parents=True, exist_ok=True)
         for name, fig in figs.items():
-            path = None
-            if out_dir:
-                path = Path(out_dir) / "dashboards" / f"{name}.png"
-                path.parent.mkdir(parents=True, exist_ok=True)
-                fig.savefig(path, dpi=80)
+            path = folder / f"{name}.png"
+            fig.savefig(path, dpi=80)  # rendered once, the same file goes to MLflow
             if tracker is not None and getattr(tracker, "run_id", None):
-                tracker.client.log_figure(tracker.run_id, fig, f"dashboards/{name}.png")
-            written[name] = path
+                tracker.client.log_artifact(tracker.run_id, str(path), "dashboards")
+            written[name] = path if out_dir else None
     finally:
         for fig in figs.values():
             plt.close(fig)
+        if tmp is not None:
+            tmp.cleanup()
     if prefect_artifacts:
         from prefect.artifacts import create_markdown_artifact, create_table_artifact
 

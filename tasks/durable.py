@@ -243,7 +243,7 @@ class FederationSession:
             self.lineage = CohortLineageTracker(
                 tracker.client, tracker.experiment_id, tracker.run_id,
                 registered_model_name(self.config), log_models=self.config.tracking.log_models,
-                state=self.lineage_state)
+                state=self.lineage_state, models_every=self.config.tracking.models_every)
         return self.lineage
 
     def round_done(self, engine: Any, rec: Any, tracker: Any) -> None:
@@ -260,6 +260,8 @@ class FederationSession:
             publish_dashboards(self.dashboards, report, federation=self.config.name,
                                tracker=tracker, out_dir=self.out_dir)
         self._new_records.append(record_to_dict(rec))
+        if self.store is not None and rec.evaluation is not None:
+            self.store.write_audit(rec.round, rec.evaluation.audit)
         _failpoint("kill-before-commit", rec.round)
         self.commit(engine, rec.round)
 
@@ -293,6 +295,8 @@ class FederationSession:
     def close(self, status: str = "FINISHED") -> None:
         if self.lineage is not None:
             with contextlib.suppress(Exception):
+                if status == "FINISHED" and self.engine is not None:
+                    self.lineage.log_final_models(self.engine, self.engine.state.rounds_done)
                 self.lineage.finish(status)
         if self._lock is not None:
             self._lock.__exit__(None, None, None)

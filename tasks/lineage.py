@@ -65,7 +65,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from clma.cohort import CohortRegistry
-from clma.release.aggregate import BelowCohortFloor, participant_band
+from clma.release import count_band
 
 __all__ = [
     "LINEAGE_SCHEMA",
@@ -104,13 +104,9 @@ def registered_model_name(config: Any) -> str:
 
 
 def cohort_band(n_members: int, min_cohort: int) -> str:
-    """Members' count band of a cohort (see module table); never the count itself."""
-    if n_members <= 0:
-        return "none"
-    try:
-        return participant_band(n_members, min_cohort).value
-    except BelowCohortFloor:
-        return "below_minimum"
+    """Members' count band of a cohort (see module table); never the count itself
+    (:func:`clma.release.count_band`)."""
+    return count_band(n_members, min_cohort)
 
 
 def lineage_document(registry: CohortRegistry, min_cohort: int, rounds_done: int
@@ -220,16 +216,20 @@ class CohortLineageTracker:
         model_name: registered-model name (:func:`registered_model_name`).
         log_models: log and register cohort models (else tags and lineage only).
         state: a :class:`LineageState` from an earlier flow run (resume), or None.
+        models_every: a changed model is logged when its cohort is new, in rounds that are
+            multiples of ``models_every``, and by :meth:`finish` (the flow run's last
+            state); 1 = every round it changes.
     """
 
     def __init__(self, client: Any, experiment_id: str, federation_run_id: str,
                  model_name: str, *, log_models: bool = True,
-                 state: LineageState | None = None) -> None:
+                 state: LineageState | None = None, models_every: int = 1) -> None:
         self.client = client
         self.experiment_id = experiment_id
         self.federation_run_id = federation_run_id
         self.model_name = model_name
         self.log_models = log_models
+        self.models_every = int(models_every)
         self.state = state or LineageState()
         self._model_registered = False
 
@@ -298,7 +298,10 @@ class CohortLineageTracker:
                 return str(mv.version)
         module = vector_to_model(vector, engine.assets.model_spec.build(seed=0),
                                  AllParams()).eval()
-        example = np.zeros_like(np.asarray(engine.assets.probe_x[:2], dtype=np.float32))
+        spec = engine.assets.model_spec
+        n_features = getattr(spec, "n_features", None)  # the model's flat input (MLPSpec)
+        example = (np.zeros((2, int(n_features)), dtype=np.float32) if n_features is not None
+                   else np.zeros_like(np.asarray(engine.assets.probe_x[:2], dtype=np.float32)))
         logging.getLogger("mlflow").setLevel(logging.ERROR)
         with tempfile.TemporaryDirectory(prefix="clma-model-") as tmp:
             mlflow.pytorch.save_model(
@@ -346,21 +349,35 @@ class CohortLineageTracker:
                 self.state.ended[key] = rec.status
                 self.client.set_terminated(rid, "FINISHED")
                 continue
-            vec = engine.state.cohort_models.get(cid)
-            if self.log_models and vec is not None:
-                sha = _vector_sha(vec)
-                if self.state.model_sha.get(key) != sha:
-                    version = self._log_model(engine, cid, rid, vec, round_number, sha)
-                    self.client.set_registered_model_alias(self.model_name, f"cohort-{cid}",
-                                                           version)
-                    self.state.model_sha[key] = sha
-                    self.state.model_versions[key] = version
+            due = key not in self.state.model_versions or round_number % self.models_every == 0
+            if due:
+                self._sync_model(engine, cid, rid, round_number)
         doc = lineage_document(reg, m, round_number)
         self.client.log_dict(self.federation_run_id, doc, "lineage/lineage.json")
         with tempfile.TemporaryDirectory(prefix="clma-lineage-") as tmp:
             png = render_lineage_png(doc, Path(tmp) / "lineage.png")
             self.client.log_artifact(self.federation_run_id, str(png), "lineage")
         return doc
+
+    def _sync_model(self, engine: Any, cid: int, rid: str, round_number: int) -> None:
+        """Log and register cohort ``cid``'s model if it changed since its last version."""
+        key = str(cid)
+        vec = engine.state.cohort_models.get(cid)
+        if not self.log_models or vec is None:
+            return
+        sha = _vector_sha(vec)
+        if self.state.model_sha.get(key) != sha:
+            version = self._log_model(engine, cid, rid, vec, round_number, sha)
+            self.client.set_registered_model_alias(self.model_name, f"cohort-{cid}", version)
+            self.state.model_sha[key] = sha
+            self.state.model_versions[key] = version
+
+    def log_final_models(self, engine: Any, round_number: int) -> None:
+        """Log every active cohort's latest model (end of a flow run)."""
+        for cid in engine.state.registry.active_cohorts():
+            rid = self.state.cohort_runs.get(str(cid))
+            if rid is not None:
+                self._sync_model(engine, cid, rid, round_number)
 
     def finish(self, status: str = "FINISHED") -> None:
         """Terminate the runs of cohorts still active (end of a flow run)."""

@@ -5,7 +5,14 @@ See :mod:`clma.budget.policy` (policy file, line items, borrowing rule),
 :mod:`clma.budget.ledger` (SQLite ledger with idempotent two-phase charges).
 """
 
-from clma.budget.accounting import AccountingError, CompositionResult, MechanismEvent, compose
+from clma.budget.accounting import (
+    ADJACENCY,
+    ADJACENCY_NAME,
+    AccountingError,
+    CompositionResult,
+    MechanismEvent,
+    compose,
+)
 from clma.budget.ledger import (
     DEFAULT_LEDGER_FILENAME,
     IdempotencyConflictError,
@@ -30,6 +37,8 @@ from clma.budget.policy import (
 )
 
 __all__ = [
+    "ADJACENCY",
+    "ADJACENCY_NAME",
     "DEFAULT_LEDGER_FILENAME",
     "AccountingError",
     "BorrowApproval",

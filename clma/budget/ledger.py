@@ -6,19 +6,38 @@ has three line items (:class:`~clma.budget.policy.LineItem`): ``training``,
 ``evaluation.global`` and ``evaluation.regional``; a charge that would take its line above
 the line's cap is refused *before any noise is drawn*.
 
+Adjacency: replace-one client, for every line
+(:data:`clma.budget.accounting.ADJACENCY`); it is reported in every row of :meth:`table`.
+
 Composition (see :mod:`clma.budget.accounting`): sequential across the rounds of an
-epoch, with dp-accounting's PLD accountant (cross-checked by RDP) or, for lines with only
-Laplace events, the exact running sum of the epsilons. Parallel composition across
+epoch, with dp-accounting's RDP accountant for lines with DP-FedAvg rounds (sampled
+without replacement), its PLD accountant (cross-checked by RDP) for other lines with
+Gaussian events, or, for lines with only Laplace events, the exact running sum of the
+epsilons. Parallel composition across
 regions: the regional line is charged ``max over regions`` of each region's composed
 spend while every client stays in one region for the whole epoch, and the composition of
 all regional events (the *sum*) as soon as one client moves region within the epoch (the
 ledger tracks client -> region per epoch from the ``membership`` passed with each
 regional charge, as keyed HMACs of the client ids, or the caller declares
 ``region_membership_stable=False``). A move that would take the line above its cap refuses
-that charge. Training (DP-FedAvg, Gaussian noise on the cohort aggregate) charges one
-event per round; with several cohorts pass the smallest noise multiplier (each client is
-in one cohort per round, but clients change cohorts between rounds, so the worst cohort
-is charged every round).
+that charge. Training (DP-FedAvg, Gaussian noise on each cohort's clipped sum) charges
+one event per round,
+``MechanismEvent.gaussian_sampled_without_replacement(z, population_size, sample_size)``
+(:meth:`PrivacyLedger.charge_training`); with several cohorts pass the smallest noise
+multiplier (each client is in one cohort per round, but clients change cohorts between
+rounds, so the worst cohort is charged every round). Poisson-sampled events (older
+ledgers) are refused.
+
+Lifetime cap (policy ``[budget] lifetime_epsilon_per_client``,
+``lifetime_delta_per_client``): a charge that would take a client's lifetime spend past it
+is refused with ``exceeds_lifetime_cap`` (after the line-cap check). Lifetime spend is the
+basic composition of the per-epoch totals (epsilons add, deltas add), each epoch's total
+being the basic composition of its line items, i.e. the same rule as within an epoch: a
+conservative bound (it does not compose the Gaussian rounds of different epochs with
+PLD / RDP, and it charges the worst-case client of every epoch, whichever region that
+client is in). Spend only grows, so a refusal persists across re-runs and reopenings; a
+key granted before the cap was reached keeps its reservation (idempotency unchanged).
+Rows of :meth:`PrivacyLedger.table` report it next to the epoch spend.
 
 Idempotency and crashes. A charge is keyed by ``(epoch, round, release)``. The two-phase
 API writes a PENDING row in the same transaction as the cap check (``reserve``), the
@@ -55,7 +74,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
-from clma.budget.accounting import CompositionResult, MechanismEvent, compose
+from clma.budget.accounting import ADJACENCY_NAME, CompositionResult, MechanismEvent, compose
 from clma.budget.policy import (
     BorrowApproval,
     BorrowDecision,
@@ -80,6 +99,9 @@ __all__ = [
 DEFAULT_LEDGER_FILENAME = "privacy_ledger.sqlite"
 _SCHEMA_VERSION = "1"
 _RELEASE_MAX_LEN = 200
+# Deltas are sums of policy fractions of the epoch delta (e.g. 0.7 * 1e-5): a lifetime delta
+# exactly at the cap may exceed it by rounding, so the comparison allows this relative slack.
+_DELTA_RELATIVE_TOLERANCE = 1e-9
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -156,6 +178,8 @@ class Reservation:
     refusal: str | None = None
     line_epsilon_after: float | None = None
     line_cap_epsilon: float | None = None
+    lifetime_epsilon_after: float | None = None
+    lifetime_delta_after: float | None = None
     stored_result: str | None = None
     committed: bool = False
 
@@ -186,7 +210,16 @@ class Reservation:
 
 
 class LedgerRow(BaseModel):
-    """One row of :meth:`PrivacyLedger.table` (per client, per epoch, per line item)."""
+    """One row of :meth:`PrivacyLedger.table` (per client, per epoch, per line item).
+
+    The ``lifetime_*`` columns are per client over epochs, the same in every row of an
+    epoch: ``lifetime_spent_epsilon`` / ``lifetime_spent_delta`` is the spend of all epochs
+    up to and including this one (basic composition of the per-epoch totals),
+    ``lifetime_cap_*`` the policy's lifetime cap (``None``: a policy without one) and
+    ``lifetime_remaining_epsilon`` the cap minus that spend (at least 0). ``adjacency`` is
+    the neighbouring relation every spend is accounted under
+    (:data:`clma.budget.accounting.ADJACENCY_NAME`).
+    """
 
     model_config = ConfigDict(frozen=True)
 
@@ -203,6 +236,12 @@ class LedgerRow(BaseModel):
     composition: str
     pending_charges: int
     policy_version: str
+    lifetime_spent_epsilon: float = 0.0
+    lifetime_spent_delta: float = 0.0
+    lifetime_cap_epsilon: float | None = None
+    lifetime_cap_delta: float | None = None
+    lifetime_remaining_epsilon: float | None = None
+    adjacency: str = ADJACENCY_NAME
 
 
 def _now() -> str:
@@ -376,7 +415,45 @@ class PrivacyLedger:
         results = [compose(evs, delta, **kw) for evs in by_region.values()]
         if not results:
             return compose([], delta, **kw)
-        return max(results, key=lambda r: r.epsilon)
+        worst = max(results, key=lambda r: r.epsilon)
+        # a client of a region with Gaussian releases spends the line's delta even when a
+        # pure-epsilon region has the largest epsilon
+        return worst.model_copy(update={"delta": max(r.delta for r in results)})
+
+    def _epochs(self, con: sqlite3.Connection) -> list[int]:
+        return [int(r[0]) for r in con.execute("SELECT DISTINCT epoch FROM epoch_lines ORDER BY epoch")]
+
+    def _epoch_total(
+        self, con: sqlite3.Connection, epoch: int,
+        override: tuple[LineItem, CompositionResult] | None = None,
+    ) -> tuple[float, float]:
+        """(epsilon, delta) of one epoch for the worst-case client: basic composition of
+        its line items (``override`` replaces one line's composed spend)."""
+        _, moved = self._state(con, epoch)
+        eps: list[float] = []
+        deltas: list[float] = []
+        for line in LineItem:
+            if override is not None and override[0] is line:
+                res = override[1]
+            else:
+                _, delta, _ = self._line_params(con, epoch, line)
+                res = self._compose_line(line, delta, self._line_events(con, epoch, line), moved)
+            eps.append(res.epsilon)
+            deltas.append(res.delta)
+        return math.fsum(eps), math.fsum(deltas)
+
+    def _lifetime_totals(
+        self, con: sqlite3.Connection,
+        override: tuple[int, LineItem, CompositionResult] | None = None,
+    ) -> dict[int, tuple[float, float]]:
+        """Per touched epoch, its (epsilon, delta) total (see :meth:`_epoch_total`)."""
+        out = {}
+        for e in self._epochs(con):
+            line_override = None
+            if override is not None and override[0] == e:
+                line_override = (override[1], override[2])
+            out[e] = self._epoch_total(con, e, line_override)
+        return out
 
     def _client_key(self, client_id: str) -> str:
         return hmac.new(self._membership_key, str(client_id).encode("utf-8"), hashlib.sha256).hexdigest()
@@ -424,7 +501,7 @@ class PrivacyLedger:
             membership is not None or region_membership_stable is not True
         ):
             raise LedgerError("membership: only regional charges carry region membership")
-        events_json = _canonical([[r, ev.model_dump(mode="json")] for r, ev in tagged])
+        events_json = _canonical([[r, ev.to_record()] for r, ev in tagged])
         with self._connect() as con, self._tx(con):
             self._ensure_epoch(con, epoch)
             row = con.execute(
@@ -472,6 +549,18 @@ class PrivacyLedger:
             if not prospective.epsilon <= cap:
                 return self._refuse(con, common, "exceeds_line_cap",
                                     line_epsilon_after=prospective.epsilon, cap=cap)
+            lifetime = self.policy.lifetime_cap()
+            totals = self._lifetime_totals(con, (epoch, line, prospective))
+            life_eps = math.fsum(t[0] for t in totals.values())
+            life_delta = math.fsum(t[1] for t in totals.values())
+            if lifetime is not None and (
+                not life_eps <= lifetime[0]
+                or life_delta > lifetime[1] * (1.0 + _DELTA_RELATIVE_TOLERANCE)
+            ):
+                return self._refuse(con, common, "exceeds_lifetime_cap",
+                                    line_epsilon_after=prospective.epsilon, cap=cap,
+                                    lifetime_epsilon_after=life_eps,
+                                    lifetime_delta_after=life_delta)
             con.execute(
                 "INSERT INTO charges (epoch, round, release, line, status, events,"
                 " line_epsilon_after, policy_version, reserved_at)"
@@ -488,16 +577,22 @@ class PrivacyLedger:
                 self._decide(con, epoch, "regional_membership_moved",
                              {"round": round, "release": release})
             return Reservation(**common, status=ReservationStatus.GRANTED,
-                               line_epsilon_after=prospective.epsilon, line_cap_epsilon=cap)
+                               line_epsilon_after=prospective.epsilon, line_cap_epsilon=cap,
+                               lifetime_epsilon_after=life_eps,
+                               lifetime_delta_after=life_delta)
 
     def _refuse(self, con: sqlite3.Connection, common: dict, reason: str,
-                line_epsilon_after: float | None = None, cap: float | None = None) -> Reservation:
+                line_epsilon_after: float | None = None, cap: float | None = None,
+                lifetime_epsilon_after: float | None = None,
+                lifetime_delta_after: float | None = None) -> Reservation:
         self._decide(con, common["epoch"], "charge_refused", {
             "round": common["round"], "release": common["release"],
             "line": common["line"].value, "reason": reason,
         })
         return Reservation(**common, status=ReservationStatus.REFUSED, refusal=reason,
-                           line_epsilon_after=line_epsilon_after, line_cap_epsilon=cap)
+                           line_epsilon_after=line_epsilon_after, line_cap_epsilon=cap,
+                           lifetime_epsilon_after=lifetime_epsilon_after,
+                           lifetime_delta_after=lifetime_delta_after)
 
     def commit(self, round: int, release: str, result: str | None = None) -> str | None:  # noqa: A002
         """Mark the charge ``(epoch, round, release)`` COMMITTED (phase 2), storing ``result``.
@@ -559,12 +654,17 @@ class PrivacyLedger:
 
     def charge_training(
         self, round: int, noise_multiplier: float, *,  # noqa: A002
-        sampling_probability: float = 1.0, release: str = "training",
+        population_size: int, sample_size: int, release: str = "training",
     ):
-        """Context manager charging one DP-FedAvg round (Gaussian, ``sigma / clip``) to
-        the training line; see :meth:`charge`."""
-        return self.charge(round, release, LineItem.TRAINING,
-                           [MechanismEvent.gaussian(noise_multiplier, sampling_probability)])
+        """Context manager charging one DP-FedAvg round to the training line: the Gaussian
+        mechanism with ``noise_multiplier = sigma / (2 C)`` on a uniform sample of exactly
+        ``sample_size`` of ``population_size`` clients
+        (:meth:`MechanismEvent.gaussian_sampled_without_replacement`); see :meth:`charge`.
+        For the two-phase use (commit after cohorting) reserve that event with
+        :meth:`reserve`."""
+        event = MechanismEvent.gaussian_sampled_without_replacement(
+            noise_multiplier, population_size, sample_size)
+        return self.charge(round, release, LineItem.TRAINING, [event])
 
     def charge_global(self, round: int, release: str, event: MechanismEvent):  # noqa: A002
         """Context manager charging one global evaluation release; see :meth:`charge`."""
@@ -599,6 +699,12 @@ class PrivacyLedger:
             tagged = [(None, ev) for ev in events]
         if any(not isinstance(ev, MechanismEvent) for _, ev in tagged):
             raise LedgerError("events: every event must be a MechanismEvent")
+        if any(ev.sampling == "poisson" for _, ev in tagged):
+            raise LedgerError(
+                "events: a Poisson-sampled event (sampling_probability < 1) is not charged"
+                " under replace-one accounting; charge"
+                " MechanismEvent.gaussian_sampled_without_replacement"
+            )
         return tagged
 
     # ------------------------------------------------------------------ back-off, borrowing
@@ -688,18 +794,47 @@ class PrivacyLedger:
         with self._connect() as con:
             return max(0.0, self._cap(con, epoch, line) - spent)
 
+    def lifetime_spent(self) -> tuple[float, float]:
+        """Per-client (epsilon, delta) spent over all epochs (PENDING and COMMITTED
+        charges): basic composition of the per-epoch totals, each the basic composition
+        of the epoch's line items (the worst-case client, as every line is accounted)."""
+        with self._connect() as con:
+            totals = self._lifetime_totals(con)
+        return math.fsum(t[0] for t in totals.values()), math.fsum(t[1] for t in totals.values())
+
+    def lifetime_remaining(self) -> float | None:
+        """Lifetime epsilon cap minus :meth:`lifetime_spent` (at least 0); ``None`` under a
+        policy without a lifetime cap."""
+        cap = self.policy.lifetime_cap()
+        if cap is None:
+            return None
+        return max(0.0, cap[0] - self.lifetime_spent()[0])
+
     def table(self, epoch: int | None = None) -> list[LedgerRow]:
         """Rows for reporting (MLflow table, Prefect table artifact): per epoch the
         ``training`` and ``evaluation`` line items (evaluation = global + regional, basic
-        composition) followed by the two evaluation sub-lines. Epochs are those touched
-        so far (or only ``epoch``)."""
+        composition) followed by the two evaluation sub-lines, each with the client's
+        lifetime spend up to that epoch next to the epoch spend (:class:`LedgerRow`).
+        Epochs are those touched so far (or only ``epoch``)."""
+        lifetime = self.policy.lifetime_cap()
         with self._connect() as con:
+            totals = self._lifetime_totals(con)
             if epoch is None:
-                epochs = [r[0] for r in con.execute("SELECT DISTINCT epoch FROM epoch_lines ORDER BY epoch")]
+                epochs = self._epochs(con)
             else:
                 epochs = [epoch]
             rows: list[LedgerRow] = []
             for e in epochs:
+                upto = [t for k, t in totals.items() if k <= e]
+                life = {
+                    "lifetime_spent_epsilon": math.fsum(t[0] for t in upto),
+                    "lifetime_spent_delta": math.fsum(t[1] for t in upto),
+                    "lifetime_cap_epsilon": None if lifetime is None else lifetime[0],
+                    "lifetime_cap_delta": None if lifetime is None else lifetime[1],
+                }
+                life["lifetime_remaining_epsilon"] = (
+                    None if lifetime is None
+                    else max(0.0, lifetime[0] - life["lifetime_spent_epsilon"]))
                 frozen, moved = self._state(con, e)
                 per_line: dict[LineItem, LedgerRow] = {}
                 for line in LineItem:
@@ -720,6 +855,7 @@ class PrivacyLedger:
                         borrowed_epsilon=borrowed, lent_epsilon=lent, approver=approver,
                         training_frozen=frozen if line is LineItem.TRAINING else False,
                         composition=comp, pending_charges=int(pending), policy_version=version,
+                        **life,
                     )
                 g, r = per_line[LineItem.EVALUATION_GLOBAL], per_line[LineItem.EVALUATION_REGIONAL]
                 evaluation = LedgerRow(
@@ -731,7 +867,7 @@ class PrivacyLedger:
                     approver=",".join(sorted({a for a in (g.approver, r.approver) if a})),
                     training_frozen=False, composition="basic_sum_of_sublines",
                     pending_charges=g.pending_charges + r.pending_charges,
-                    policy_version=g.policy_version,
+                    policy_version=g.policy_version, **life,
                 )
                 rows += [per_line[LineItem.TRAINING], evaluation, g, r]
             return rows

@@ -1,8 +1,8 @@
 """The versioned privacy policy and the borrowing rule.
 
-The policy is a TOML file reviewed like code (``clma/policy/privacy_policy_v1.toml``):
-the per-client (epsilon, delta) cap per budget epoch, the epoch length in rounds, the
-training / evaluation split, the global / regional split inside evaluation, the regional
+The policy is a TOML file reviewed like code (``clma/policy/privacy_policy_v2.toml``):
+the per-client (epsilon, delta) cap per budget epoch, the per-client lifetime cap over all
+epochs, the epoch length in rounds, the training / evaluation split, the global / regional split inside evaluation, the regional
 cadence, the borrowing limit and approver allow-list, the minimum-group-size floor and the
 mechanism versions. :func:`load_policy` validates it into a frozen :class:`PrivacyPolicy`
 and records the file's SHA-256 ``content_hash``; a bad value raises one
@@ -13,6 +13,13 @@ Line items (basic composition across them, so their epsilons and deltas add up t
     training             = cap * training_fraction
     evaluation.global    = cap * evaluation_fraction * global_fraction
     evaluation.regional  = cap * evaluation_fraction * regional_fraction
+
+Lifetime cap (``[budget] lifetime_epsilon_per_client``, ``lifetime_delta_per_client``):
+a client's spend over all epochs, composed by basic composition of the per-epoch totals,
+may not pass it (:class:`~clma.budget.ledger.PrivacyLedger` refuses the charge with
+``exceeds_lifetime_cap``). It must be at least the per-epoch cap. The ``v1`` policies
+predate it and stay loadable (no lifetime cap) for the ledgers and tests that refer to them;
+the default is ``privacy_policy_v2``.
 
 Borrowing (:func:`decide_borrow`): evaluation may borrow epsilon for one of its lines from
 the next epoch's allocation of the same line, at most ``max_fraction_of_next_epoch`` of it,
@@ -37,7 +44,15 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from clma._validation import field_errors
 
@@ -59,7 +74,7 @@ __all__ = [
     "load_policy",
 ]
 
-DEFAULT_POLICY_FILE = "privacy_policy_v1.toml"
+DEFAULT_POLICY_FILE = "privacy_policy_v2.toml"
 _SUM_TOLERANCE = 1e-9
 _MECHANISM_VERSION_PATTERN = r"^v[1-9][0-9]{0,3}$"
 
@@ -84,13 +99,55 @@ _Fraction = Annotated[float, Field(gt=0.0, lt=1.0)]
 
 
 class BudgetRules(_Closed):
-    """Per-client cap of one budget epoch and its training / evaluation split."""
+    """Per-client cap of one budget epoch, its training / evaluation split, and the
+    per-client lifetime cap.
+
+    ``lifetime_epsilon_per_client`` / ``lifetime_delta_per_client``: the most a client may
+    spend over all epochs together (basic composition of the per-epoch totals, see
+    :mod:`clma.budget.ledger`). Given together, each at least its per-epoch counterpart.
+    Both absent (``None``) only in policies written before lifetime caps
+    (``privacy_policy_v1``, ``simulation_policy_v1``), which stay loadable for the ledgers
+    and tests that refer to them; such a policy enforces no lifetime cap.
+    """
 
     epsilon_per_client_per_epoch: Annotated[float, Field(gt=0.0)]
     delta_per_client_per_epoch: Annotated[float, Field(ge=0.0, lt=1.0)]
     epoch_length_rounds: Annotated[int, Field(ge=1)]
     training_fraction: _Fraction
     evaluation_fraction: _Fraction
+    lifetime_epsilon_per_client: Annotated[float, Field(gt=0.0)] | None = None
+    lifetime_delta_per_client: Annotated[float, Field(ge=0.0, lt=1.0)] | None = Field(
+        default=None, validate_default=True)
+
+    @field_validator("lifetime_epsilon_per_client")
+    @classmethod
+    def _lifetime_epsilon_at_least_epoch(cls, value: float | None, info: ValidationInfo) -> float | None:
+        epoch = info.data.get("epsilon_per_client_per_epoch")
+        if value is not None and epoch is not None and value < epoch:
+            raise ValueError("the lifetime cap must be at least epsilon_per_client_per_epoch"
+                             " (a lifetime cap below the epoch cap is an error)")
+        return value
+
+    @field_validator("lifetime_delta_per_client")
+    @classmethod
+    def _lifetime_delta_paired_and_at_least_epoch(
+        cls, value: float | None, info: ValidationInfo
+    ) -> float | None:
+        if "lifetime_epsilon_per_client" not in info.data:
+            return value  # that field failed: its own error names it
+        has_epsilon = info.data["lifetime_epsilon_per_client"] is not None
+        if has_epsilon != (value is not None):
+            raise ValueError("lifetime_epsilon_per_client and lifetime_delta_per_client go"
+                             " together: give both or neither")
+        epoch = info.data.get("delta_per_client_per_epoch")
+        if value is not None and epoch is not None and value < epoch:
+            raise ValueError("the lifetime cap must be at least delta_per_client_per_epoch"
+                             " (a lifetime cap below the epoch cap is an error)")
+        return value
+
+    @property
+    def has_lifetime_cap(self) -> bool:
+        return self.lifetime_epsilon_per_client is not None
 
     @model_validator(mode="after")
     def _split_sums_to_one(self) -> BudgetRules:
@@ -193,6 +250,13 @@ class PrivacyPolicy(_Closed):
             share = b.evaluation_fraction * e.regional_fraction
         return b.epsilon_per_client_per_epoch * share, b.delta_per_client_per_epoch * share
 
+    def lifetime_cap(self) -> tuple[float, float] | None:
+        """Per-client lifetime (epsilon, delta) cap, or ``None`` (a v1 policy: no cap)."""
+        b = self.budget
+        if b.lifetime_epsilon_per_client is None or b.lifetime_delta_per_client is None:
+            return None
+        return b.lifetime_epsilon_per_client, b.lifetime_delta_per_client
+
     def mechanism_version(self, mechanism: str) -> str:
         """Version string of ``mechanism`` (``threshold_only``, ``laplace``, ``gaussian``)."""
         return getattr(self.mechanisms, str(getattr(mechanism, "value", mechanism)))
@@ -203,7 +267,7 @@ def _field_errors(exc: ValidationError) -> str:
 
 
 def load_policy(path: str | Path | None = None) -> PrivacyPolicy:
-    """Load and validate a policy TOML file (default: the shipped ``privacy_policy_v1``).
+    """Load and validate a policy TOML file (default: the shipped ``privacy_policy_v2``).
 
     ``path`` may also be the bare file name of a policy bundled in ``clma/policy/``
     (e.g. ``"simulation_policy_v1.toml"``) when no such file exists in the working

@@ -13,8 +13,11 @@ Evaluation (:func:`budgeted_evaluation`). The round's ledger entries
 entry covers every group at the full epsilon, parallel composition). For each entry, in
 order:
 
-1. a regional entry on a round off the policy's ``regional_cadence_rounds`` is skipped
-   (``off_cadence``; nothing charged, nothing drawn);
+1. an entry with nothing to release (every group of its scope below the floor, aborted or
+   not evaluated: the round's secure sums are known before any charge) is skipped
+   (``not_charged``: nothing charged for nothing); a regional entry on a round off the
+   policy's ``regional_cadence_rounds`` is skipped (``off_cadence``; nothing charged,
+   nothing drawn);
 2. the charge is reserved with the idempotency key ``(epoch, round, entry name)``
    (regional charges carry the client -> region membership, so a client moving region
    switches the line to the sum);
@@ -69,7 +72,12 @@ from clma.engine.evaluation import (
     EvaluationRound,
     PrivateEvaluator,
 )
-from clma.rounds import ClientUpdate, dp_aggregate_per_cohort, dp_fedavg
+from clma.rounds import (
+    ClientUpdate,
+    dp_aggregate_per_cohort,
+    dp_fedavg,
+    expected_participants,
+)
 
 __all__ = [
     "TRAINING_RELEASE",
@@ -80,8 +88,10 @@ __all__ = [
     "charge_plans",
     "decisions_document",
     "direct_step",
+    "coarse_size",
     "dp_aggregate",
     "dp_commit",
+    "dp_denominators",
     "dp_new_cohort_model",
     "ledger_round",
     "open_budget",
@@ -353,7 +363,7 @@ def budgeted_evaluation(
 
     Returns the ledger's view ``{"round", "metrics": {entry: published}, "epsilon_spent",
     "budget": {"released", "republished", "refused": {name: reason}, "off_cadence",
-    "borrows", "policy_version"}}``.
+    "not_charged", "borrows", "policy_version"}}``.
     """
     round_number = ev.round
     plans = charge_plans(evaluator)
@@ -361,10 +371,17 @@ def budgeted_evaluation(
     epoch = budget.policy.epoch_of_round(ledger_round(round_number))
     info: dict[str, Any] = {
         "released": [], "republished": [], "refused": {}, "off_cadence": [], "borrows": [],
-        "policy_version": budget.policy.policy_version,
+        "not_charged": [], "policy_version": budget.policy.policy_version,
     }
     out: dict[str, Any] = {"round": round_number, "metrics": {}, "epsilon_spent": 0.0}
     for plan in plans:  # one at a time: charge, (gate), draw, commit
+        on_cadence = plan.scope == "global" or regional_on_cadence(budget.policy, round_number)
+        if on_cadence and not evaluator.releases_of(ev, plan.name):
+            info["not_charged"].append(plan.name)
+            budget.events.append({"kind": "release_not_charged", "round": round_number,
+                                  "release": plan.name, "epoch": epoch,
+                                  "reason": "nothing_to_release"})
+            continue
         res = step("charge-evaluation", charge_entry, budget, plan, round_number, region_of,
                    regions)
         if res is None:
@@ -424,6 +441,35 @@ def _decode_models(payload: str) -> dict[int, np.ndarray]:
     }
 
 
+def coarse_size(n: int) -> int:
+    """The cohort size as the denominator sees it: the power of two nearest to ``n``
+    (ties upwards), at least 1.
+
+    Why: the released model's noise level is ``2 z C / D``, so an exact ``D`` would let
+    anyone who estimates the noise of a released model learn the cohort's exact size,
+    which is published only as a band. A power of two is as coarse as the bands (a factor
+    of 2) while the server step stays within a factor of sqrt(2) of the plain mean.
+    """
+    if isinstance(n, bool) or not isinstance(n, int | np.integer) or n < 0:
+        raise ValueError("n: must be an integer >= 0")
+    if n <= 1:
+        return 1
+    lo = 1 << (int(n).bit_length() - 1)
+    return lo if n * n < 2 * lo * lo else 2 * lo  # n < lo * sqrt(2): round down
+
+
+def dp_denominators(cohort_sizes: Mapping[int, int], population_size: int,
+                    sample_size: int) -> dict[int, float]:
+    """The fixed public denominators of the round's cohorts (fixed before any update):
+    the expected number of participants of a cohort of :func:`coarse_size` members in a
+    uniform sample of ``sample_size`` of ``population_size`` clients
+    (:func:`clma.rounds.expected_participants`)."""
+    return {int(c): expected_participants(min(coarse_size(int(n)), population_size),
+                                          population_size=population_size,
+                                          sample_size=sample_size)
+            for c, n in cohort_sizes.items()}
+
+
 def dp_aggregate(
     config: FederationConfig,
     budget: BudgetState | None,
@@ -432,8 +478,19 @@ def dp_aggregate(
     cohort_models: Mapping[int, np.ndarray],
     round_number: int,
     weights: Mapping[int, float] | None = None,
+    *,
+    population_size: int,
+    sample_size: int,
+    denominators: Mapping[int, float],
 ) -> tuple[dict[int, np.ndarray], dict[str, Any]]:
     """DP-FedAvg per cohort after one training charge (see module doc).
+
+    The round is charged as the Gaussian mechanism (noise multiplier ``z`` on the sum of
+    updates clipped to ``C``, std ``2 z C``: replace-one adjacency) on a uniform sample
+    without replacement of ``sample_size`` of ``population_size`` clients
+    (``MechanismEvent.gaussian_sampled_without_replacement``, RDP accounting); each cohort
+    of ``denominators`` (:func:`dp_denominators`) is released with the fixed-denominator
+    estimator.
 
     ``weights`` (divergence action): clients with weight 0 are left out like quarantined
     ones; DP-FedAvg weighs the remaining clients equally (a down-weight would change the
@@ -453,7 +510,8 @@ def dp_aggregate(
     if budget is not None:
         res = budget.ledger.reserve(
             ledger_round(round_number), TRAINING_RELEASE, LineItem.TRAINING,
-            [MechanismEvent.gaussian(dp.noise_multiplier, config.training.participation)],
+            [MechanismEvent.gaussian_sampled_without_replacement(
+                dp.noise_multiplier, population_size, sample_size)],
         )
         if res.refused:
             budget.events.append({"kind": "training_backed_off", "round": round_number,
@@ -471,11 +529,12 @@ def dp_aggregate(
     held = sorted(set(quarantined) | {c for c, w in (weights or {}).items() if w == 0})
     models, results = dp_aggregate_per_cohort(
         updates, held, cohort_models, clipping_bound=dp.clipping_bound,
-        noise_multiplier=dp.noise_multiplier, seed=seed,
+        noise_multiplier=dp.noise_multiplier, denominators=denominators, seed=seed,
     )
     info: dict[str, Any] = {
         "status": "aggregated", "reason": None,
         "sigma": {str(c): r.sigma for c, r in results.items()},
+        "estimator": "fixed_denominator",
         "n_clipped": sum(r.n_clipped for r in results.values()),
         "noise_source": "seeded-simulation" if seed is not None else "opendp",
     }
@@ -532,9 +591,11 @@ def dp_new_cohort_model(config: FederationConfig, training: Mapping[str, Any],
             return stored[int(new_id)].copy()
         seed = (np.random.default_rng([config.seed, round_number, 223, int(new_id)])
                 if dp.noise_seeded else None)
+        # every member took part this round: the denominator is the coarse member count
         return dp_fedavg([u.params for u in members], reference,
                          clipping_bound=dp.clipping_bound,
-                         noise_multiplier=dp.noise_multiplier, seed=seed).model
+                         noise_multiplier=dp.noise_multiplier,
+                         denominator=float(coarse_size(len(members))), seed=seed).model
 
     return build
 

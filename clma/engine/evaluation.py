@@ -8,10 +8,12 @@ metric. One evaluation round, as data (what the server sees in brackets)::
              loss clipped to [0, L_max], 7-bin error histogram with fixed edges,
              calibration masses, sample-count bucket), clips it and quantises it to
              integers in [0, Q]                                          [nothing]
-    secagg   one session per aggregated group (clma.engine.secure_sum over the Clients
+    secagg   one session per aggregation group (clma.engine.secure_sum over the Clients
              seam): pairwise-masked inputs                 [uniform masked vectors, then
              only the exact integer SUM of the survivors and who survived]
              fewer than the floor -> not unmasked; fewer than t -> aborted
+    global   the sum over all groups, by post-processing the group sums (no session of
+             its own)
     noise    Laplace once on each released sum (clma.release.aggregate_sum /
              aggregate_vector_sum), never per client                  [noisy sums]
     publish  value clamped to the clip range, error bar from the participant band's
@@ -20,6 +22,21 @@ metric. One evaluation round, as data (what the server sees in brackets)::
              as a band only; round-health (dropout rate) through the same path
     alerts   per (metric, group): |now - baseline| > bar_now + bar_base on PUBLISHED
              numbers, baseline per (partition version, bounds version)
+
+No sum below the floor, not even by differencing. The server learns a sum only for the
+groups of a PARTITION of the round's participants in which every group has at least ``m``
+participants (:func:`aggregation_groups`: a monitored group below the floor is aggregated
+with the group of its named neighbour, as the partition file says), so the sets it learns
+are disjoint, each at or above the floor, and every difference of unions of them is a
+union of them. The global value is the sum of the group sums (post-processing), never a
+second secure sum over the same clients. Across rounds, two sums of one group over
+different survivor sets differ by the dropped clients' reports plus every other
+contributor's change of report; the change is zero only if the group's evaluated models
+(and layout) did not change, so a group whose models are unchanged since its last learned
+sum is not unmasked again over a different set of clients (status ``refused``,
+``unchanged_models``). Every set of clients whose sum the server learned is listed in
+:attr:`SecureSums.audit` (written to the server's state folder as
+``audit/secure_sums_round_NNN.json``, server-internal, never published).
 
 Cohort floor: ``m = max(config.evaluation.min_cohort, policy.evaluation.minimum_group_size)``
 (the envelope refuses a minimum group size below the policy floor, so a config asking for
@@ -43,6 +60,7 @@ versions, evaluation count) in ``ServerState.evaluation``.
 from __future__ import annotations
 
 import math
+import secrets
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,7 +75,7 @@ from clma.engine.secure_sum import run_sessions
 from clma.engine.state import ServerState
 from clma.metrics import DeviceMetricLayout
 from clma.privacy.mechanisms import error_bar, noise_scale
-from clma.privacy.secagg import FixedPointQuantiser, SecAggConfig, secagg_plus_degree
+from clma.privacy.secagg import FixedPointQuantiser, SecAggConfig, secagg_plus_parameters
 from clma.regions import RegionPartition
 from clma.release import (
     Alert,
@@ -124,6 +142,9 @@ class EvaluationState(BaseModel):
         merges: monitoring-only region merges and below-floor streaks.
         bounds: metric name -> current versioned clip bounds.
         evaluations_done: number of evaluation rounds run so far.
+        last_sums: aggregation group -> digests (SHA-256) of the evaluated models and of
+            the contributor set of its last learned sum (the cross-round guard;
+            server-internal, never published).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -132,6 +153,7 @@ class EvaluationState(BaseModel):
     merges: RegionMergeTracker
     bounds: dict[str, BoundsVersion]
     evaluations_done: int = Field(default=0, ge=0)
+    last_sums: dict[str, dict[str, str]] = Field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
@@ -172,13 +194,21 @@ class GroupSum:
 
 @dataclass
 class SecureSums:
-    """All groups of one evaluation round, plus the global group ``"global"``."""
+    """All aggregation groups of one evaluation round, plus ``"global"`` (their sum).
+
+    ``audit``: every set of clients whose exact sum the server learned this round
+    (``{"group", "session", "clients": [ids], "status"}``; server-internal).
+    ``below_alone``: monitored groups below the floor on their own this round (aggregated
+    with a neighbour or not evaluated).
+    """
 
     round: int
     min_cohort: int
     groups: dict[str, GroupSum]
     layout: DeviceMetricLayout
     monitoring_version: str
+    audit: list[dict[str, Any]] = field(default_factory=list)
+    below_alone: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -239,6 +269,8 @@ class EvaluationOutcome:
         alerts: fired alerts (published numbers only).
         not_evaluated: group -> reason (secure aggregation aborted below t).
         server: server-side results (exact contributors; NEVER published or logged).
+        audit: the sets of clients whose sums the server learned (:attr:`SecureSums.audit`;
+            server-internal, NEVER published).
     """
 
     round: int
@@ -249,6 +281,7 @@ class EvaluationOutcome:
     alerts: list[Alert]
     not_evaluated: dict[str, str]
     server: dict[str, AggregatedMetric | AggregatedVector] = field(default_factory=dict)
+    audit: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def alerts_fired(self) -> int:
@@ -282,10 +315,6 @@ class EvaluationRound:
 # ----------------------------------------------------------------------------- helpers
 
 
-def _threshold(holders: int, fraction: float) -> int:
-    return max(2, holders // 2 + 1, math.ceil(fraction * holders))
-
-
 def _clamped(m: AggregatedMetric) -> AggregatedMetric:
     """Post-processing: the published value is clamped to the clip range."""
     return m.model_copy(update={"value": float(np.clip(m.value, m.clip_low, m.clip_high))})
@@ -317,6 +346,62 @@ def _dropout_band(rate: float) -> str:
     if rate < 0.2:
         return "5_to_under_20pct"
     return "20pct_or_more"
+
+
+def aggregation_groups(monitored: Mapping[str, Sequence[str]], participants: Mapping[str, int],
+                       neighbours: Mapping[str, str], floor: int) -> dict[str, tuple[str, ...]]:
+    """Partition of the monitored groups into aggregation groups of >= ``floor``
+    participants each (the rule of the module docstring).
+
+    Args:
+        monitored: monitored group name -> its regions (a partition of the regions).
+        participants: region -> participating clients this round.
+        neighbours: region -> the neighbour the partition file names.
+        floor: the cohort floor m.
+
+    While some group has between 1 and ``floor - 1`` participants and another group has
+    participants, the smallest such group (fewest participants, then name) joins the
+    group holding the named neighbour of its first region (sorted) that lies in another
+    group with participants, else the smallest other group with participants. Groups
+    without participants are kept as they are (nothing is summed for them); a single
+    remaining group below the floor is left below it (nothing is summed). Names join the
+    sorted member regions with ``+``. Deterministic.
+    """
+    groups: dict[str, set[str]] = {g: set(m) for g, m in monitored.items()}
+    owner = {r: g for g, m in groups.items() for r in m}
+
+    def count(g: str) -> int:
+        return sum(int(participants.get(r, 0)) for r in groups[g])
+
+    while True:
+        live = [g for g in groups if count(g) > 0]
+        small = sorted((g for g in live if count(g) < floor), key=lambda g: (count(g), g))
+        if not small or len(live) < 2:
+            break
+        g = small[0]
+        target = None
+        for r in sorted(groups[g]):
+            nb = neighbours.get(r)
+            h = owner.get(nb) if nb is not None else None
+            if h is not None and h != g and count(h) > 0:
+                target = h
+                break
+        if target is None:
+            target = min((h for h in live if h != g), key=lambda h: (count(h), h))
+        groups[target] |= groups.pop(g)
+        for r in groups[target]:
+            owner[r] = target
+    return {"+".join(sorted(m)): tuple(sorted(m)) for m in groups.values()}
+
+
+def _digest(parts: Sequence[bytes]) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for p in parts:
+        h.update(len(p).to_bytes(8, "little"))
+        h.update(p)
+    return h.hexdigest()
 
 
 # ----------------------------------------------------------------------------- evaluator
@@ -382,20 +467,51 @@ class PrivateEvaluator:
         return k > 0 and (self.state.evaluations_done + 1) % k == 0
 
     # ---------------------------------------------------------------- secure sums
-    def _session_config(self, name: str, n: int, round_number: int, dim: int) -> SecAggConfig:
-        degree = secagg_plus_degree(n)
-        holders = n if degree >= n - 1 else degree + 1
-        t = _threshold(holders, self.config.evaluation.secagg_threshold)
-        gseed = region_seed(self.config.seed * 1000 + round_number, name) % 2**31
-        return SecAggConfig(n_clients=n, threshold=t, vector_length=dim,
-                            quantisation_levels=QUANTISATION_LEVELS, neighbour_degree=degree,
-                            round_id=f"eval-{round_number}-{name}", graph_seed=gseed)
+    def session_config(self, name: str, members: Sequence[int], round_number: int,
+                       dim: int) -> SecAggConfig | None:
+        """The secure-aggregation parameters of one group (None: no safe parameters).
+
+        Degree k and threshold t come from the group size and the configured assumptions
+        (``evaluation.secagg_corrupted_fraction``, ``secagg_dropout_fraction``,
+        ``secagg_statistical_security``, ``secagg_correctness``) by
+        :func:`clma.privacy.secagg.secagg_plus_parameters` (Bell et al. 2020). The dropouts
+        tolerated are at most what the cohort floor allows (a sum over fewer than m
+        clients is never unmasked: clients refuse it, ``min_survivors = m``). The graph
+        seed is drawn from the operating system's CSPRNG (``secrets``), never from the
+        published federation seed -- except with seeded noise (experiments and tests,
+        labelled not private), where it is derived from (seed, round, group) so that a
+        simulation with dropouts is reproducible.
+        """
+        ev = self.config.evaluation
+        n, m = len(members), self.min_cohort
+        delta = ev.secagg_dropout_fraction
+        if n - math.ceil(delta * n) < m:
+            delta = max(0.0, (n - m) / n * (1.0 - 1e-9))  # ceil(delta n) <= n - m
+        try:
+            p = secagg_plus_parameters(
+                n, corrupted_fraction=ev.secagg_corrupted_fraction, dropout_fraction=delta,
+                statistical_security=ev.secagg_statistical_security,
+                correctness=ev.secagg_correctness)
+            return SecAggConfig(
+                n_clients=n, threshold=p.threshold, vector_length=dim,
+                quantisation_levels=QUANTISATION_LEVELS,
+                neighbour_degree=None if p.degree >= n - 1 else p.degree,
+                round_id=f"eval-{round_number}-{name}", graph_seed=(
+                    region_seed(self.config.seed * 1000 + round_number, name) % 2**63
+                    if ev.noise_seeded else secrets.randbits(63)),
+                corrupted_fraction=ev.secagg_corrupted_fraction, dropout_fraction=delta,
+                statistical_security=ev.secagg_statistical_security,
+                correctness=ev.secagg_correctness, min_survivors=max(m, 2),
+                client_ids=tuple(sorted(int(c) for c in members)))
+        except ValueError:
+            return None
 
     def secure_sums(self, clients: Clients, round_number: int, participants: Sequence[int],
                     region_of: Mapping[int, str], assignments: Mapping[int, int],
                     models: Mapping[int, np.ndarray]) -> SecureSums:
-        """Secure aggregation per monitored group (merged regions replace their members)
-        and once over all participants, over the ``Clients`` seam.
+        """Secure aggregation over a partition of the participants into groups at or
+        above the floor (:func:`aggregation_groups`), through the ``Clients`` seam; the
+        global sum by post-processing (module docstring).
 
         Args:
             clients: the transport.
@@ -404,57 +520,98 @@ class PrivateEvaluator:
             region_of: client id -> region (public partition).
             assignments: client id -> cohort whose model it evaluates.
             models: cohort id -> float32 model vector.
-
-        Groups with fewer than ``max(m, 2)`` participants are not run (their sum would be
-        a small-group aggregate the server does not need).
         """
         state = self.state
         layout = state.layout()
         m = self.min_cohort
         dim = FixedPointQuantiser(layout.lower_bounds(), layout.upper_bounds()).dim
-        groups = state.merges.groups(self.partition.region_ids)
         ids = sorted(int(c) for c in participants)
-        members_of: dict[str, tuple[str, ...]] = {g: mem for g, mem in sorted(groups.items())}
-        members_of[GLOBAL] = (GLOBAL,)
-        clients_of = {g: [c for c in ids if region_of[c] in mem]
-                      for g, mem in members_of.items() if g != GLOBAL}
-        clients_of[GLOBAL] = ids
+        monitored = state.merges.groups(self.partition.region_ids)
+        per_region: dict[str, int] = {}
+        for c in ids:
+            per_region[region_of[c]] = per_region.get(region_of[c], 0) + 1
+        below_alone = sorted(g for g, mem in monitored.items()
+                             if 0 < sum(per_region.get(r, 0) for r in mem) < m)
+        groups = aggregation_groups(monitored, per_region, self.partition.neighbours, m)
+        clients_of = {g: [c for c in ids if region_of[c] in mem] for g, mem in groups.items()}
         sessions: dict[str, SecAggSession] = {}
+        no_parameters: set[str] = set()
         name_of: dict[str, str] = {}
         thresholds: dict[str, int] = {}
-        for g, cs in clients_of.items():
+        model_digest: dict[str, str] = {}
+        for g, cs in sorted(clients_of.items()):
             if len(cs) < max(m, 2):
                 continue
-            cfg = self._session_config(g, len(cs), round_number, dim)
+            cfg = self.session_config(g, cs, round_number, dim)
+            if cfg is None:
+                no_parameters.add(g)
+                continue
             sessions[cfg.round_id] = SecAggSession(cfg.round_id, cfg, tuple(cs))
             name_of[cfg.round_id] = g
             thresholds[g] = cfg.threshold
+            cohorts = sorted({int(assignments[c]) for c in cs})
+            model_digest[g] = _digest([layout.version.encode()] + [
+                str(k).encode() + np.ascontiguousarray(models[k], dtype="<f4").tobytes()
+                for k in cohorts])
+
+        def may_unmask(sid: str, survivors: frozenset[int]) -> str | None:
+            g = name_of[sid]
+            last = state.last_sums.get(g)
+            members = _digest([str(c).encode() for c in sorted(survivors)])
+            if last and last["models"] == model_digest[g] and last["clients"] != members:
+                return ("unchanged_models: the group's models are unchanged since its last "
+                        "sum; a different contributor set would expose a difference")
+            return None
+
         results = {}
         if sessions:
             request = ReportRequest(
                 round=round_number, assignments={c: int(assignments[c]) for c in ids},
                 models={k: models[k] for k in sorted({int(assignments[c]) for c in ids})},
                 layout=layout, quantisation_levels=QUANTISATION_LEVELS, sessions=sessions)
-            results = {name_of[s]: r for s, r in run_sessions(clients, request, floor=m).items()}
+            results = {name_of[s]: r for s, r in
+                       run_sessions(clients, request, floor=m, may_unmask=may_unmask).items()}
         quant = FixedPointQuantiser(layout.lower_bounds(), layout.upper_bounds(),
                                     QUANTISATION_LEVELS)
         out: dict[str, GroupSum] = {}
+        audit: list[dict[str, Any]] = []
+        total_q = np.zeros(dim, dtype=np.uint64)
+        total_n = 0
+        sel = drop = 0
         for g in sorted(clients_of):
             n = len(clients_of[g])
             res = results.get(g)
+            sel += n
             if res is None:
-                out[g] = GroupSum(g, members_of[g], n, 0, "below_floor")
+                out[g] = GroupSum(g, groups[g], n, 0,
+                                  "aborted" if g in no_parameters else "below_floor")
                 continue
+            drop += len(res.dropped)
+            if res.summed is not None:
+                audit.append({"group": g, "session": res.session_id,
+                              "clients": sorted(res.summed), "status": res.status})
+                state.last_sums[g] = {
+                    "models": model_digest[g],
+                    "clients": _digest([str(c).encode() for c in sorted(res.summed)])}
             t = thresholds[g]
             if res.status != "ok":
-                out[g] = GroupSum(g, members_of[g], n, len(res.dropped), res.status, threshold=t)
+                out[g] = GroupSum(g, groups[g], n, len(res.dropped), res.status, threshold=t)
                 continue
-            out[g] = GroupSum(g, members_of[g], n, len(res.dropped), "ok",
+            out[g] = GroupSum(g, groups[g], n, len(res.dropped), "ok",
                               contributors=res.contributors,
                               sum=quant.dequantise_sum(res.sum_quantised, res.contributors),
                               sum_quantised=res.sum_quantised, threshold=t)
+            total_q = total_q + np.asarray(res.sum_quantised, dtype=np.uint64)
+            total_n += res.contributors
+        if total_n >= m:
+            out[GLOBAL] = GroupSum(GLOBAL, (GLOBAL,), sel, drop, "ok", contributors=total_n,
+                                   sum=quant.dequantise_sum(total_q, total_n),
+                                   sum_quantised=total_q)
+        else:
+            out[GLOBAL] = GroupSum(GLOBAL, (GLOBAL,), sel, drop, "below_floor")
         return SecureSums(round_number, m, out, layout,
-                          state.merges.monitoring_version(self.partition.version))
+                          state.merges.monitoring_version(self.partition.version),
+                          audit=audit, below_alone=below_alone)
 
     # ---------------------------------------------------------------- plan
     def plan(self, sums: SecureSums) -> ReleasePlan:
@@ -670,12 +827,17 @@ class PrivateEvaluator:
         made, refused, server, envelopes = d.made, d.refused, d.server, d.envelopes
         metrics_pub, health_pub, released, hist_pub = d.metrics, d.health, d.released, d.histogram
 
-        not_evaluated = {
-            g: "secure aggregation aborted: fewer than t survivors; region not evaluated this "
-               "round"
-            for g, gs in sums.groups.items() if gs.status == "aborted"
+        reasons = {
+            "aborted": "secure aggregation aborted: fewer than t survivors; region not "
+                       "evaluated this round",
+            "refused": "unchanged models since the group's last sum: not summed again over a "
+                       "different set of clients",
         }
-        unpublished = [g for g, gs in sums.groups.items() if g != GLOBAL and gs.status != "ok"]
+        not_evaluated = {g: reasons[gs.status] for g, gs in sums.groups.items()
+                         if gs.status in reasons}
+        monitored = state.merges.groups(self.partition.region_ids)
+        unpublished = [g for g in monitored
+                       if g not in sums.groups or sums.groups[g].status != "ok"]
         for name in SCALAR_METRICS:
             gone = [g for g, gs in sums.groups.items() if gs.status != "ok"]
             for g in gone:
@@ -689,13 +851,14 @@ class PrivateEvaluator:
             metrics_pub[name]["epsilon_charged"] = max(
                 [r.epsilon for r in made if r.name == name and r.region != GLOBAL], default=0.0)
             metrics_pub[name]["composition"] = "parallel (disjoint regions)"
-        merged = {g: list(mem) for g, mem in state.merges.groups(self.partition.region_ids).items()
-                  if len(mem) > 1}
+        merged = {g: list(gs.members) for g, gs in sums.groups.items()
+                  if g != GLOBAL and len(gs.members) > 1}
         if merged:
             for name in SCALAR_METRICS:
                 metrics_pub[name]["merged_regions"] = merged
                 metrics_pub[name]["granularity_note"] = (
-                    "merged regions are the finest granularity actually monitored")
+                    "merged regions are the finest granularity actually monitored: a region "
+                    "below the cohort floor is aggregated with its named neighbour")
 
         alerts: list[Alert] = []
         new_baselines: dict[str, dict[str, str]] = {}
@@ -718,8 +881,9 @@ class PrivateEvaluator:
                 if nb:
                     new_baselines[name] = nb
 
-        below = [mem for g, gs in sums.groups.items()
-                 if g != GLOBAL and gs.status == "below_floor" for mem in gs.members]
+        below = sorted({r for g in sums.below_alone for r in monitored.get(g, ())}
+                       | {r for g, gs in sums.groups.items()
+                          if g != GLOBAL and gs.status == "below_floor" for r in gs.members})
         newly = state.merges.observe(self.partition.region_ids, below)
         bounds_event = None
         if hist_pub is not None:
@@ -731,9 +895,14 @@ class PrivateEvaluator:
             state.bounds["mean_loss"] = nxt
         state.evaluations_done += 1
 
+        seeded = self.config.evaluation.noise_seeded
         published: dict[str, Any] = {
             "schema": REPORT_SCHEMA,
             "round": rnd,
+            "noise": {"source": "seeded-simulation" if seeded else "opendp",
+                      "private": not seeded,
+                      **({"warning": "seeded noise: reproducible and NOT private"}
+                         if seeded else {})},
             "min_cohort": m,
             "min_cohort_rule": MIN_COHORT_RULE,
             "partition_version": self.partition.version,
@@ -757,4 +926,4 @@ class PrivateEvaluator:
         if bounds_event is not None:
             published["bounds_update"] = bounds_event
         return EvaluationOutcome(rnd, made, refused, published, envelopes, alerts,
-                                 not_evaluated, server)
+                                 not_evaluated, server, list(sums.audit))

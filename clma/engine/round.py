@@ -31,6 +31,9 @@ evaluation), as :class:`FederationEngine` steps over one :class:`RoundContext`:
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -48,6 +51,7 @@ from clma.engine.budget import (
     direct_step,
     dp_aggregate,
     dp_commit,
+    dp_denominators,
     dp_new_cohort_model,
     policy_of,
 )
@@ -216,8 +220,24 @@ class FederationEngine:
 
     # ---------------------------------------------------------------- 1. select
     def select(self, round_number: int) -> list[int]:
-        """Seeded uniform selection of ``ceil(participation * n)`` clients of the roster."""
-        rng = np.random.default_rng([self.config.seed, round_number, 11])
+        """Uniform selection without replacement of ``ceil(participation * n)`` clients of
+        the roster.
+
+        Randomness: under DP-FedAvg with secure noise the sample is drawn from
+        HMAC-SHA256(``state.selection_key``, round) — a server secret kept in the state
+        folder, so the sample (whose secrecy the privacy amplification by sampling
+        assumes) is not derivable from published values; otherwise from the published
+        ``(seed, round)`` (reproducible simulations).
+        """
+        dp = self.config.training.dp
+        if dp.enabled and not dp.noise_seeded:
+            if self.state.selection_key is None:
+                self.state.selection_key = os.urandom(32)
+            digest = hmac.new(self.state.selection_key, f"clma-select|{round_number}".encode(),
+                              hashlib.sha256).digest()
+            rng = np.random.default_rng(int.from_bytes(digest[:16], "little"))
+        else:
+            rng = np.random.default_rng([self.config.seed, round_number, 11])
         return select_clients(self.roster.client_ids, self.config.training.participation, rng)
 
     def begin_round(self, round_number: int, selected: Sequence[int] | None = None
@@ -252,8 +272,14 @@ class FederationEngine:
         return self.check_replies(request, replies)
 
     def check_replies(self, request: TrainRequest, replies: Replies) -> Replies[ClientUpdate]:
+        if not (isinstance(replies, Replies) and isinstance(replies.ok, Mapping)
+                and isinstance(replies.failed, Mapping)):  # a broken transport's answer
+            return Replies({}, {c: "transport error: malformed replies"
+                                for c in request.assignments})
         out: Replies[ClientUpdate] = Replies({}, dict(replies.failed))
         for c, u in replies.ok.items():
+            if c in out.failed:  # reported failed as well: not used
+                continue
             why = check_update(u, request, self.assets.n_params)
             if why is None and u.client_id != c:
                 why = "reply filed under another client id"
@@ -268,15 +294,18 @@ class FederationEngine:
         return out
 
     def accept(self, ctx: RoundContext, replies: Iterable[Replies[ClientUpdate]]) -> None:
-        """Collect the checked replies of every chunk into ``ctx`` (selection order)."""
+        """Collect the checked replies of every chunk into ``ctx`` (selection order).
+        Failures of clients the round did not select are not its dropouts; a client
+        reported failed is not used even if a reply of it arrived."""
         ok: dict[int, ClientUpdate] = {}
+        selected = set(ctx.selected)
         for r in replies:
             ok.update(r.ok)
-            ctx.failed.update(r.failed)
+            ctx.failed.update({c: why for c, why in r.failed.items() if c in selected})
         for c in ctx.selected:
             if c not in ok and c not in ctx.failed:
                 ctx.failed[c] = "no reply"
-        ctx.updates = [ok[c] for c in ctx.selected if c in ok]
+        ctx.updates = [ok[c] for c in ctx.selected if c in ok and c not in ctx.failed]
 
     # ---------------------------------------------------------------- 3. quarantine
     def detect_drift(self, ctx: RoundContext) -> list[int]:
@@ -304,9 +333,14 @@ class FederationEngine:
         """FedAvg per cohort over the non-quarantined members (divergence weights
         applied), or DP-FedAvg after the round's training charge."""
         if self.config.training.dp.enabled:
+            reg = self.state.registry
+            n, k = len(self.roster.client_ids), len(ctx.selected)
+            denominators = dp_denominators(
+                {c: len(reg.members(c)) for c in ctx.start_models}, n, k)
             ctx.models, ctx.training = dp_aggregate(
                 self.config, self.budget, ctx.updates, ctx.quarantined, ctx.start_models,
-                ctx.round, ctx.weights)
+                ctx.round, ctx.weights, population_size=n, sample_size=k,
+                denominators=denominators)
         else:
             ctx.models = aggregate_per_cohort(ctx.updates, ctx.quarantined, ctx.start_models,
                                               ctx.weights)

@@ -9,14 +9,17 @@ graph, Bell et al. CCS 2020); this module only batches and routes.
 
 The cohort floor is applied before the server can learn anything: a session whose
 masked inputs come from fewer than ``floor`` clients is stopped before unmasking
-(``below_floor``; the masked vectors are uniform and reveal nothing). A session with
-fewer than t survivors aborts (``aborted``). A client that does not answer a step, or
-answers something malformed, is a dropout of that session.
+(``below_floor``; the masked vectors are uniform and reveal nothing), and so is a session
+the caller's ``may_unmask`` check refuses (e.g. the cross-round guard of
+:mod:`clma.engine.evaluation`). A session with fewer than t survivors aborts
+(``aborted``). A client that does not answer a step, or answers something malformed, is a
+dropout of that session. :attr:`SessionResult.summed` records every set of clients whose
+sum the server learned (the audit record).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -43,11 +46,13 @@ class SessionResult:
         members: the client ids asked.
         status: ``ok`` (sum known), ``below_floor`` (fewer than ``floor`` clients would be
             in the sum, or fewer than ``floor`` completed every step: nothing released),
-            ``aborted`` (fewer than t clients remained: nothing learned).
+            ``aborted`` (fewer than t clients remained: nothing learned), ``refused``
+            (``may_unmask`` refused: nothing learned).
         contributors: clients whose input is in the sum (0 unless ok).
         sum_quantised: uint64 ``(d,)`` exact modular sum (None unless ok).
         dropped: members that failed or left at some step (including malformed replies).
         reason: why the session is not ok.
+        summed: the clients whose exact sum the server learned (None: it learned none).
     """
 
     session_id: str
@@ -57,6 +62,7 @@ class SessionResult:
     sum_quantised: np.ndarray | None = None
     dropped: set[int] = field(default_factory=set)
     reason: str | None = None
+    summed: tuple[int, ...] | None = None
     _server: SecAggServer | None = field(default=None, repr=False)
 
     @property
@@ -81,21 +87,25 @@ def _stop(res: SessionResult, status: str, reason: str) -> None:
     res.status, res.reason, res._server = status, reason, None
 
 
-def run_sessions(clients: Clients, request: ReportRequest, *, floor: int) -> dict[str, SessionResult]:
+def run_sessions(clients: Clients, request: ReportRequest, *, floor: int,
+                 may_unmask: Callable[[str, frozenset[int]], str | None] | None = None,
+                 ) -> dict[str, SessionResult]:
     """Run every session of ``request`` to the end; returns session id -> result.
 
     Args:
         clients: the transport.
         request: the report request (models, layout, sessions).
         floor: minimum number of clients in any sum the server learns (the cohort floor).
+        may_unmask: ``(session id, survivors) -> reason`` to refuse unmasking (None: go on).
 
     Never raises for a client's behaviour: failures become dropouts, a session that cannot
     finish safely is ``aborted`` or ``below_floor``.
     """
     results: dict[str, SessionResult] = {}
+    servers: dict[str, SecAggServer] = {}
     for sid, sess in request.sessions.items():
-        results[sid] = SessionResult(sid, tuple(sess.members),
-                                     _server=SecAggServer(sess.config, sess.members))
+        servers[sid] = SecAggServer(sess.config, sess.members)
+        results[sid] = SessionResult(sid, tuple(sess.members), _server=servers[sid])
     rnd = request.round
 
     # step 1: reports computed on the device, public keys advertised
@@ -114,7 +124,11 @@ def run_sessions(clients: Clients, request: ReportRequest, *, floor: int) -> dic
         if not res.open:
             continue
         for u, ro in rosters[sid].items():
-            asked2.setdefault(u, {})[sid] = ShareKeysRequest(ro, tuple(res._server.neighbours[u]))
+            # the neighbours the session's graph fixes (the client checks them against its
+            # config), and the public keys of those of them that advertised (it shares
+            # only with those)
+            asked2.setdefault(u, {})[sid] = ShareKeysRequest(
+                ro, tuple(res._server.neighbours[u]))
     shares = clients.secagg_share_keys(rnd, asked2) if asked2 else Replies()
     inboxes: dict[int, dict[str, list]] = {}
     for sid, res in results.items():
@@ -146,6 +160,10 @@ def run_sessions(clients: Clients, request: ReportRequest, *, floor: int) -> dic
         except (SecAggAbort, ValueError) as exc:
             _stop(res, "aborted", str(exc))
             continue
+        refusal = may_unmask(sid, frozenset(req.survivors)) if may_unmask else None
+        if refusal is not None:
+            _stop(res, "refused", refusal)
+            continue
         for u in req.survivors:
             asked4.setdefault(u, {})[sid] = req
 
@@ -162,8 +180,11 @@ def run_sessions(clients: Clients, request: ReportRequest, *, floor: int) -> dic
             _stop(res, "aborted", str(exc))
             continue
         res.sum_quantised, res.contributors, res._server = out.sum_quantised, out.contributors, None
+        res.summed = tuple(out.survivors)
         res.dropped |= set(out.dropped)
-        if len(res.members) - len(res.dropped) < floor:
+        if len(res.members) - len(res.dropped | set(out.rejected)) < floor:
             res.sum_quantised, res.contributors = None, 0
             res.status, res.reason = "below_floor", "fewer clients than the cohort floor completed"
+    for sid, res in results.items():  # a client whose message was malformed is a dropout
+        res.dropped |= set(servers[sid].rejected)
     return results

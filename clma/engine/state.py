@@ -14,7 +14,7 @@ from __future__ import annotations
 import io
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -68,6 +68,9 @@ class ServerState:
         evaluation: the evaluation path's state (:class:`clma.engine.evaluation.EvaluationState`),
             created at the first evaluation.
         rounds_done: last completed round (0 before the first).
+        selection_key: 32-byte secret of the client sampling under secure DP-FedAvg
+            (None until first used; server-internal, never published): the sample is not
+            derivable from published values (the seed is published).
     """
 
     registry: CohortRegistry
@@ -75,7 +78,7 @@ class ServerState:
     merge_reference: np.ndarray | None = None
     evaluation: Any = None
     rounds_done: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
+    selection_key: bytes | None = None
 
     @classmethod
     def fresh(cls, client_ids: list[int], initial_model: np.ndarray) -> ServerState:
@@ -102,7 +105,8 @@ def _json_bytes(obj: Any) -> bytes:
 
 def snapshot_files(state: ServerState) -> dict[str, bytes]:
     """The state as snapshot files: ``registry.json``, ``models.npz`` (cohort models and
-    merge reference, float32) and ``evaluation.json`` (null before the first evaluation)."""
+    merge reference, float32), ``evaluation.json`` (null before the first evaluation) and,
+    once the sampling key exists, ``selection.json`` (server-internal secret)."""
     buf = io.BytesIO()
     arrays = {f"cohort_{c}": np.asarray(v, dtype=np.float32)
               for c, v in sorted(state.cohort_models.items())}
@@ -110,11 +114,14 @@ def snapshot_files(state: ServerState) -> dict[str, bytes]:
         arrays["merge_reference"] = np.asarray(state.merge_reference, dtype=np.float32)
     np.savez(buf, **arrays)
     ev = state.evaluation
-    return {
+    out = {
         "registry.json": _json_bytes(state.registry.to_dict()),
         "models.npz": buf.getvalue(),
         "evaluation.json": _json_bytes(ev.to_dict() if ev is not None else None),
     }
+    if state.selection_key is not None:
+        out["selection.json"] = _json_bytes({"key": state.selection_key.hex()})
+    return out
 
 
 def restore_files(files: Mapping[str, bytes], rounds_done: int) -> ServerState:
@@ -137,5 +144,8 @@ def restore_files(files: Mapping[str, bytes], rounds_done: int) -> ServerState:
     if "evaluation.json" in files:
         doc = json.loads(files["evaluation.json"].decode("utf-8"))
         ev = EvaluationState.from_dict(doc) if doc is not None else None
+    key = None
+    if "selection.json" in files:
+        key = bytes.fromhex(json.loads(files["selection.json"].decode("utf-8"))["key"])
     return ServerState(registry=registry, cohort_models=models, merge_reference=ref,
-                       evaluation=ev, rounds_done=int(rounds_done))
+                       evaluation=ev, rounds_done=int(rounds_done), selection_key=key)

@@ -1,4 +1,4 @@
-"""Wire format of the Flower transport (schema ``clma.flower/1``): the ``Clients`` seam's
+"""Wire format of the Flower transport (schema ``clma.flower/2``): the ``Clients`` seam's
 requests and replies as Flower records, validated on both ends.
 
 Every message content is a ``RecordDict`` holding
@@ -7,7 +7,8 @@ Every message content is a ``RecordDict`` holding
   ``client-id`` (ints), call-specific scalars, and for the secure-aggregation steps
   ``payload`` (bytes): the step's protocol messages, one per session, in a compact binary
   encoding (little-endian; ids u32; keys, shares and ciphertexts length-prefixed;
-  masked words u64);
+  masked words u64; Shamir shares 17-byte little-endian elements of GF(2^130 - 5); each
+  client's share-keys message carries its 32-byte commitment to its self-mask seed);
 * ``"arrays"`` -- an ``ArrayRecord`` with one float32 vector: the model sent
   (``"model"``) or the trained parameters returned (``"params"``);
 * ``"metrics"`` -- a train reply's ``MetricRecord``: ``num-examples`` (int) and
@@ -48,6 +49,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
 from clma.engine.clients import ReportRequest, SecAggSession, ShareKeysRequest, TrainSettings
 from clma.privacy.secagg import (
+    SHAMIR_PRIME,
     AdvertiseKeys,
     EncryptedShare,
     MaskedInput,
@@ -85,7 +87,7 @@ __all__ = [
     "header_of",
 ]
 
-SCHEMA = "clma.flower/1"
+SCHEMA = "clma.flower/2"  # 2: prime-field Shamir shares, b_u commitments
 RECORD, ARRAYS, METRICS = "clma", "arrays", "metrics"
 MODEL, PARAMS = "model", "params"
 NUM_EXAMPLES, DRIFT_FLAG = "num-examples", "drift-flag"
@@ -110,9 +112,12 @@ MAX_ITEMS = 1_000_000  # members, roster entries, shares per session
 MAX_VECTOR = 4096  # masked-input length
 MAX_PARAMS = 2**31 - 1
 MAX_TEXT = 65_536  # session ids, JSON of a session config or layout
-KEY_BYTES, SHARE_BYTES, MAX_CIPHERTEXT = 32, 16, 4096
+KEY_BYTES, MAX_CIPHERTEXT = 32, 4096
+#: one Shamir share: an element of GF(2^130 - 5), little-endian (clma.privacy.secagg)
+SHARE_BYTES = (SHAMIR_PRIME.bit_length() + 7) // 8
+COMMITMENT_BYTES = 32  # clma.privacy.secagg.self_mask_commitment
 MAX_WORD = 2**62  # masked words live in [0, 2^k), k <= 62
-_FORMAT = 1  # binary payload format version
+_FORMAT = 2  # binary payload format version (2: 17-byte shares, b_u commitments)
 #: Payload kinds: a request payload is never read as a reply, nor one step as another.
 _KIND = {"sessions": 1, "request:secagg_share_keys": 3, "request:secagg_masked_input": 4,
          "request:secagg_unmask": 5, "reply:secagg_advertise": 12,
@@ -121,7 +126,7 @@ _KIND = {"sessions": 1, "request:secagg_share_keys": 3, "request:secagg_masked_i
 
 
 class CodecError(ValueError):
-    """A message does not follow schema ``clma.flower/1``; the text names the field and
+    """A message does not follow schema ``clma.flower/2``; the text names the field and
     the rule (never a value of the message)."""
 
 
@@ -514,11 +519,14 @@ def _w_share_keys(w: _Writer, items: Iterable[tuple[str, ShareKeys]]) -> None:
     for sid, sk in items:
         w.text(sid)
         w.u32(sk.client_id)
+        w.blob(sk.b_commitment)
         _w_shares(w, sk.shares)
 
 
 def _r_share_keys(r: _Reader, sid: str) -> ShareKeys:
-    return ShareKeys(r.u32("client id"), tuple(_r_shares(r)))
+    cid = r.u32("client id")
+    commitment = r.blob("b_commitment", COMMITMENT_BYTES)
+    return ShareKeys(cid, tuple(_r_shares(r)), commitment)
 
 
 def _w_inbox(w: _Writer, items: Iterable[tuple[str, Sequence[EncryptedShare]]]) -> None:

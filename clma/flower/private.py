@@ -46,9 +46,13 @@ class PrivateEvaluation(Strategy):
             regions, ledger and evaluation state).
         metrics: published metric names (a subset of ``accuracy``, ``mean_loss``) returned
             by ``aggregate_evaluate``; default both.
-        epsilon / min_cohort / secagg_threshold: override ``evaluation.epsilon``,
-            ``evaluation.min_cohort`` (the floor in force is at least the policy's) and
-            ``evaluation.secagg_threshold``.
+        epsilon / min_cohort: override ``evaluation.epsilon`` and
+            ``evaluation.min_cohort`` (the floor in force is at least the policy's).
+        secagg_corrupted_fraction / secagg_dropout_fraction: override the SecAgg+
+            assumptions ``evaluation.secagg_corrupted_fraction`` /
+            ``evaluation.secagg_dropout_fraction``, from which the engine derives each
+            session's degree and threshold (:func:`clma.privacy.secagg.
+            secagg_plus_parameters`).
         gate: the borrowing gate ``(budget, request) -> BorrowDecision`` (default: none,
             an overspending release is refused).
 
@@ -59,7 +63,8 @@ class PrivateEvaluation(Strategy):
 
     def __init__(self, strategy: CLMA, *, metrics: Iterable[str] | None = None,
                  epsilon: float | None = None, min_cohort: int | None = None,
-                 secagg_threshold: float | None = None,
+                 secagg_corrupted_fraction: float | None = None,
+                 secagg_dropout_fraction: float | None = None,
                  gate: Callable[..., Any] | None = None) -> None:
         if not isinstance(strategy, CLMA):
             raise TypeError("strategy: PrivateEvaluation wraps clma.flower.CLMA (its engine "
@@ -73,7 +78,8 @@ class PrivateEvaluation(Strategy):
             raise ValueError("strategy: wrap it before its first round")
         data = strategy.config.model_dump()
         for key, v in (("epsilon", epsilon), ("min_cohort", min_cohort),
-                       ("secagg_threshold", secagg_threshold)):
+                       ("secagg_corrupted_fraction", secagg_corrupted_fraction),
+                       ("secagg_dropout_fraction", secagg_dropout_fraction)):
             if v is not None:
                 data["evaluation"][key] = v
         strategy.config = validate_config(data)

@@ -68,16 +68,24 @@ _log = logging.getLogger("clma.flower.transport")
 
 
 def check_noise_source(config: FederationConfig) -> str:
-    """The one place that decides whether the Flower transport accepts the configured noise
-    source; returns the label recorded with every release it touches.
+    """The Flower transport's noise rule (the config's, :meth:`FederationConfig.
+    seeded_noise_refusal` with real clients); returns the label recorded with every
+    release it touches.
 
-    Real clients mean real people's data: seeded noise is reproducible and NOT private.
-    For now it is accepted, labelled ``seeded-simulation`` on every release (the equality
-    tests against the in-process simulation need it); tightening this rule happens here.
+    Real clients mean real people's data: seeded noise is reproducible and NOT private, so
+    it is refused unless ``testing.allow_seeded_noise_not_private`` (the equality tests
+    against the in-process simulation); then every release it touches is labelled
+    ``seeded-simulation``.
+
+    Raises:
+        ConfigError: seeded noise without ``testing.allow_seeded_noise_not_private``.
     """
-    seeded = config.evaluation.noise_seeded or (
-        config.training.dp.enabled and config.training.dp.noise_seeded)
-    return "seeded-simulation" if seeded else "opendp"
+    from clma.config import ConfigError
+
+    refusal = config.seeded_noise_refusal(real_server=False, real_clients=True)
+    if refusal is not None:
+        raise ConfigError(refusal)
+    return "seeded-simulation" if config.seeded_noise else "opendp"
 
 
 def _flower_log(text: str) -> None:

@@ -15,7 +15,6 @@ __all__ = [
     "PrivacyParameterError",
     "analytic_gaussian_sigma",
     "classic_gaussian_sigma",
-    "discrete_laplace_sum",
     "error_bar",
     "gaussian_delta",
     "gaussian_rho",

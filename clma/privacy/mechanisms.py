@@ -30,11 +30,6 @@ Mechanisms
     :func:`gaussian_rho` reports it.  We do NOT convert rho back to (epsilon,
     delta) with the generic zCDP bound (which is looser); the (epsilon, delta)
     guarantee comes from the analytic Gaussian mechanism directly.
-``discrete_laplace`` (pure epsilon-DP on integers)
-    For a quantised secure sum (integers): OpenDP's
-    ``make_laplace`` on ``vector_domain(atom_domain(T=int))`` samples the
-    discrete Laplace (Canonne, Kamath & Steinke 2020) with no floating-point
-    leakage.
 
 Sampling
 --------
@@ -60,7 +55,6 @@ __all__ = [
     "PrivacyParameterError",
     "analytic_gaussian_sigma",
     "classic_gaussian_sigma",
-    "discrete_laplace_sum",
     "error_bar",
     "gaussian_delta",
     "gaussian_rho",
@@ -321,41 +315,3 @@ def sample(
     noisy = float(noisy_arr) if arr.ndim == 0 else noisy_arr
     return noisy, NoiseSource.SEEDED_SIMULATION
 
-
-def discrete_laplace_sum(
-    int_sum: np.ndarray | list[int],
-    scale: float,
-    *,
-    seed: int | np.random.Generator | None = None,
-) -> tuple[np.ndarray, NoiseSource]:
-    """Discrete Laplace noise on an integer (quantised) secure sum.
-
-    ``seed=None``: OpenDP ``make_laplace(vector_domain(atom_domain(T=int)),
-    l1_distance(T=int), scale)`` — pure epsilon-DP with
-    ``epsilon = L1_sensitivity / scale`` in quantisation units, no
-    floating-point leak.  Seeded: numpy difference of two geometric draws,
-    which has the same discrete Laplace law ``P(k) ∝ exp(-|k|/scale)``
-    (flagged ``seeded-simulation``).
-
-    Args:
-        int_sum: integer vector, shape ``(d,)`` (the de-masked secure sum,
-            already mapped to signed integers).
-        scale: noise scale in quantisation units (> 0).
-
-    Returns:
-        ``(noisy int64 array of shape (d,), noise_source)``.
-    """
-    s = _check_positive("scale", scale)
-    arr = np.asarray(int_sum)
-    if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
-        raise ValueError("int_sum must be a 1-D integer vector")
-    if seed is None:
-        dp = _opendp()
-        meas = dp.m.make_laplace(
-            dp.vector_domain(dp.atom_domain(T=int)), dp.l1_distance(T=int), scale=s
-        )
-        return np.asarray(meas([int(x) for x in arr]), dtype=np.int64), NoiseSource.OPENDP
-    rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
-    p = 1.0 - math.exp(-1.0 / s)
-    noise = rng.geometric(p, size=arr.shape) - rng.geometric(p, size=arr.shape)
-    return arr.astype(np.int64) + noise.astype(np.int64), NoiseSource.SEEDED_SIMULATION

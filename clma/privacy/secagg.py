@@ -1,11 +1,38 @@
 """Pairwise-masking secure aggregation (Bonawitz et al. CCS 2017; SecAgg+ graph of Bell et al. CCS 2020).
 
 The server learns the SUM over the surviving clients of their clipped,
-quantised metric vectors, and nothing else about any single vector
-(honest-but-curious server, Bonawitz et al. §6.2).  Only the protocol is
-written here; the primitives come from ``cryptography`` (X25519 key
-agreement, HKDF-SHA256, AES-CTR as the mask PRG, AES-GCM for shares in
-transit) and ``pycryptodome`` (Shamir secret sharing over GF(2^128)).
+quantised metric vectors, and nothing else about any single vector.  Only the
+protocol is written here; the cryptographic primitives come from
+``cryptography`` (X25519 key agreement, HKDF-SHA256, AES-CTR as the mask PRG,
+AES-GCM for shares in transit, SHA-256 for commitments).  Shamir secret sharing
+is the textbook scheme over the prime field GF(p), ``p = 2^130 - 5``, written
+here (:func:`shamir_split`, :func:`shamir_reconstruct`).
+
+Threat model
+------------
+* Server: semi-honest (honest-but-curious, Bonawitz et al. §6.2): it follows the
+  protocol -- sends every survivor the same unmasking request, draws the graph
+  seed at random -- and tries to learn more from what it sees.  An actively
+  malicious server (different requests to different clients, a graph seed
+  ground against chosen victims) needs the consistency-check round with
+  signatures of Bonawitz et al. §4 / Bell et al. §4, which is not implemented.
+* Clients: up to a fraction ``corrupted_fraction`` (gamma) of them may collude
+  with the server (they hand over their secrets); any client may be hostile
+  towards the round (malformed or contradictory messages) -- the server
+  validates every message and treats a client whose contribution is malformed
+  as a dropout (``SecAggResult.rejected``), never aborting the round for it.
+  A hostile client cannot be stopped from adding an arbitrary value mod 2^k to
+  the sum: masked words are uniform, so an input's range cannot be checked
+  without zero-knowledge proofs (out of scope).
+* Dropouts: up to a fraction ``dropout_fraction`` (delta) of the clients go
+  silent at any step; the bounds below assume the dropped and the corrupted
+  clients do not depend on the neighbour graph (they are fixed before the graph
+  seed is drawn).  Dropouts chosen *after* seeing the graph cannot make the
+  server learn a sum over part of the survivors: every client refuses to unmask
+  unless the survivors are connected in the graph and at least the survivor
+  floor (below), so the round aborts instead.  (Corrupted clients among the
+  survivors can still bridge a graph that is disconnected among the honest ones;
+  that case is covered by the bound only for dropouts independent of the graph.)
 
 Quantisation
 ------------
@@ -17,28 +44,82 @@ n clients is exact (no wrap-around) iff ``n * Q < 2^k``; this is checked when
 the round is configured (default: up to 65,537 clients).  Rounding error on the
 de-quantised sum is at most ``n * (upper - lower) / (2 Q)`` per coordinate.
 
-Neighbour graph
----------------
-``neighbour_degree=None``: complete graph (original SecAgg).  An even
-``neighbour_degree = d < n - 1``: a Harary graph H(d, n) on a seeded random
-permutation of the clients (SecAgg+, Bell et al. §3), each client masking with
-and secret-sharing to its d neighbours only; ``secagg_plus_degree(n)`` gives
-``d = 2 ceil(log2 n)`` (O(log n)).  A client's share holders are its
-neighbours and itself; the threshold t must be a strict majority of the
-holders (so a server cannot obtain both kinds of share of one client from two
-disjoint sets of honest clients) and at least 2.
+Neighbour graph and its seed
+----------------------------
+``neighbour_degree=None`` (or ``>= n - 1``): complete graph (original SecAgg).
+An even ``neighbour_degree = k < n - 1``: the Harary graph H(k, n) on a random
+ring order of the clients (SecAgg+): each client is linked to the k/2 clients
+on either side of it on the ring, masks with and secret-shares to those k
+neighbours only.  A client's share holders are its neighbours and itself
+(k + 1 holders); the share index of a holder is its rank in the sorted holder
+list (1-based).  The ring order is ``numpy.random.default_rng(graph_seed)
+.permutation`` of the sorted client ids, so the graph is fixed by
+``(client_ids, graph_seed)`` in :class:`SecAggConfig`, which the server sends in
+round 0, before any client has generated (let alone advertised) a key: the
+server cannot choose the graph after seeing keys.  Each client derives its own
+neighbours from the config and refuses a neighbour list that differs.  The
+bounds below need the ring to be independent of who is corrupted: a
+semi-honest server draws ``graph_seed`` at random (``secrets.randbits(64)``);
+against a malicious server the seed would have to come from a public beacon or
+a coin-flipping round (not implemented).
+
+SecAgg+ parameters (Bell et al. 2020, the semi-honest conditions)
+-----------------------------------------------------------------
+With ``c = ceil(gamma n)`` corrupted clients and at most ``d = ceil(delta n)``
+dropouts, the round is secure and correct when (Bell et al. §3):
+
+(S1) no honest client has t or more corrupted holders (else the corrupted
+     clients give the server the second secret of that client and its input
+     is revealed);
+(S2) the honest survivors stay connected in the neighbour graph (else the
+     server learns the sum of each connected component separately: the
+     partition attack);
+(C)  every client whose secret must be reconstructed keeps at least t
+     responding holders, and the survivors stay connected.
+
+On the random ring, a client's k neighbours are a uniform k-subset of the
+other n - 1 clients, so its number of corrupted (dropped) neighbours is
+hypergeometric, ``Hyp(n - 1, c, k)`` (``Hyp(n - 1, d, k)``).  Removing a fixed
+set R of r clients disconnects H(k, n) only if two disjoint windows of k/2
+consecutive ring positions lie in R; a fixed pair of windows lies in R with
+probability ``C(r, k) / C(n, k)``, and there are fewer than ``C(n, 2)`` pairs.
+Union bounds over the n clients give the inequalities this module implements
+(exact rational arithmetic), with ``sigma = statistical_security`` and
+``eta = correctness``::
+
+    security    : n * P[Hyp(n-1, c, k) >= t] + C(n,2) * C(c+d, k) / C(n, k)  <=  2^-sigma
+    correctness : n * max(P[Hyp(n-1, d, k) >= k+2-t], P[Hyp(n-1, d-1, k) >= k+1-t])
+                  + C(n,2) * C(d, k) / C(n, k)                                <=  2^-eta
+    structure   : t >= 2 and 2 t > k + 1 (a strict majority of the holders)
+
+(in the correctness line the first term is a surviving owner, which answers for
+itself, the second a dropped one).  On the complete graph (k = n - 1) there is
+no randomness and both lines are exact: ``c < t <= n - d``.  The majority rule
+keeps honest holders from ever supplying both kinds of share of one client.
+:func:`secagg_plus_parameters` returns the smallest even k < n - 1 that admits a
+t (else the complete graph) and the middle of the admissible t interval;
+:class:`SecAggConfig` refuses any ``(neighbour_degree, threshold)`` that
+violates a line for its ``corrupted_fraction``, ``dropout_fraction``,
+``statistical_security`` and ``correctness`` (all four default to values that
+make every line trivially true -- no corruption, no dropout assumed -- so a
+caller must pass its assumptions).  Bell et al. state the conditions for their
+random graphs with Chernoff-style bounds; the bound above is computed for the
+Harary graph on a random ring that this module draws, and it is what is enforced.
 
 Messages and what the server sees
 ---------------------------------
 Round 0 ``AdvertiseKeys`` (client -> server -> neighbours): two X25519 public
     keys per client: ``c_pk`` (share encryption) and ``s_pk`` (pairwise
-    masks).  The server sees public keys only.
+    masks).  The server sees public keys only; it rejects wrong lengths,
+    low-order points and keys used twice.
 Round 1 ``ShareKeys`` (client -> server -> recipients): client u draws a
     16-byte self-mask seed ``b_u`` and Shamir-shares it and its 32-byte mask
     private key ``s_sk_u`` (as two 16-byte halves) with threshold t among its
-    holders.  Each share is AES-GCM encrypted under
+    holders, and commits to ``b_u`` with ``SHA-256("clma-secagg|b-commitment|"
+    round_id "|" u "|" b_u)``.  Each share is AES-GCM encrypted under
     ``HKDF(X25519(c_sk_u, c_pk_v))``.  The server routes ciphertexts and sees
-    only who sends to whom and their (fixed) length.
+    who sends to whom, their fixed length and the commitment (which hides the
+    128-bit random ``b_u``).
 Round 2 ``MaskedInput`` (client -> server): ``y_u = q_u + PRG(b_u) +
     sum_{v in N(u), u<v} PRG(s_uv) - sum_{v in N(u), v<u} PRG(s_uv) mod 2^k``
     with ``s_uv = HKDF(X25519(s_sk_u, s_pk_v))`` and PRG = AES-CTR keystream.
@@ -46,46 +127,61 @@ Round 2 ``MaskedInput`` (client -> server): ``y_u = q_u + PRG(b_u) +
     ``Z_{2^k}^d`` whatever ``q_u`` is (tested: chi-square against uniform, and
     identical distributions when one client's input changes).
 Round 3 ``Unmasking`` (server -> clients -> server): the server announces the
-    survivors S (sent y) and the dropped D (shared keys, sent no y).  Each
-    responding client checks ``S ∩ D = ∅`` and that at least t of its holders
-    survived, then returns shares of ``b_u`` for u in S and shares of
-    ``s_sk_u`` for u in D — never both for one u.  The server reconstructs
-    ``b_u`` (u in S) and ``s_sk_u`` (u in D), removes the self masks of the
-    survivors and the pairwise masks between survivors and dropped clients;
-    pairwise masks between survivors cancel.  It learns ``sum_{u in S} q_u mod
-    2^k`` and nothing about an individual ``q_u``.
-Abort: fewer than t survivors (or, for one client, fewer than t responding
-holders) raises :class:`SecAggAbort` — the sum is refused, never approximated.
-So the sum is recovered exactly whenever at most ``n - t`` clients drop out
-(complete graph), at any stage after ShareKeys.
+    survivors S (sent a valid y) and the dropped D (shared keys, no valid y).
+    Each client answers at most one request per round, and only if ``S ∩ D =
+    ∅``, it is in S, ``|S|`` is at least ``SecAggConfig.survivor_floor``, at
+    least t of its holders are in S and (SecAgg+) the survivors are connected
+    in the neighbour graph; it then returns shares of ``b_u`` for u in S and
+    shares of ``s_sk_u`` for u in D -- never both for one u.  The server
+    reconstructs ``b_u`` (u in S; checked against the commitment) and
+    ``s_sk_u`` (u in D; checked against ``s_pk_u``), decoding around bad shares
+    (Berlekamp-Welch) when the first t shares do not check, removes the self
+    masks of the survivors and the pairwise masks between survivors and
+    dropped clients; pairwise masks between survivors cancel.  It learns
+    ``sum_{u in S} q_u mod 2^k`` and nothing about an individual ``q_u``.
+Cost
+----
+Per client: 2k X25519 agreements (one per neighbour for the share encryption key,
+kept for decryption, and one for the pairwise mask), k + 1 AES-CTR expansions (one
+call per seed) and three sharing polynomials evaluated at k + 1 points.  Server:
+all shares of a round are checked at once (numpy: field range, the holder's share
+index); each secret is interpolated from its t lowest share indices with Lagrange
+coefficients cached per index set (one set serves every owner whose first t
+holders answered); one AES-CTR expansion per seed, the masks summed as one array;
+per dropped client one agreement per surviving neighbour.
+``benchmarks/bench_secagg.py`` measures it against Flower's SecAgg+ primitives.
 
-This is the semi-honest protocol (no consistency-check round, no signatures):
-an actively malicious server is out of scope and noted as such.  The
-randomness of keys and self-mask seeds is ``os.urandom`` via ``cryptography``
-and deliberately unseedable; only the neighbour-graph permutation is seeded.
+Abort: fewer than t survivors, a survivor set below the floor or disconnected,
+fewer than t responding holders of one client, or no consistent set of t
+shares for one client raises :class:`SecAggAbort` -- the sum is refused, never
+approximated.  The randomness of keys, self-mask seeds and sharing polynomials
+is ``os.urandom`` (directly and via ``cryptography``) and deliberately
+unseedable; only the neighbour-graph permutation is seeded.
 """
 
 from __future__ import annotations
 
 import math
+import operator
 import os
 import struct
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from fractions import Fraction
+from functools import lru_cache
+from typing import Any, NamedTuple
 
 import numpy as np
-from Crypto.Protocol.SecretSharing import Shamir
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
-from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 __all__ = [
+    "SHAMIR_PRIME",
     "AdvertiseKeys",
     "EncryptedShare",
     "FixedPointQuantiser",
@@ -93,6 +189,8 @@ __all__ = [
     "SecAggAbort",
     "SecAggClient",
     "SecAggConfig",
+    "SecAggPlusBounds",
+    "SecAggPlusParameters",
     "SecAggResult",
     "SecAggServer",
     "ShareKeys",
@@ -101,13 +199,222 @@ __all__ = [
     "harary_neighbours",
     "run_secure_aggregation",
     "secagg_plus_degree",
+    "secagg_plus_failure_bounds",
+    "secagg_plus_parameters",
+    "self_mask_commitment",
+    "shamir_reconstruct",
+    "shamir_split",
 ]
 
-_ZERO_NONCE16 = b"\x00" * 16
+
+#: The Shamir field GF(p), p = 2^130 - 5 (prime; holds any 128-bit chunk).
+SHAMIR_PRIME = (1 << 130) - 5
+_SHARE_BYTES = 17  # ceil(130 / 8)
+_MASK130 = (1 << 130) - 1
+_HEADER = struct.Struct("<qqI")  # owner, recipient, share index
+_PAYLOAD_BYTES = _HEADER.size + 3 * _SHARE_BYTES
+_CIPHERTEXT_BYTES = _PAYLOAD_BYTES + 16  # AES-GCM tag
+_COMMITMENT_BYTES = 32
+_INT64 = (-(2**63), 2**63 - 1)
+
+# X25519 public keys of small order (libsodium's blacklist; X25519 ignores the top bit):
+# an exchange with one of them yields the all-zero secret.
+_LOW_ORDER_POINTS = frozenset(bytes.fromhex(h) for h in (
+    "0000000000000000000000000000000000000000000000000000000000000000",
+    "0100000000000000000000000000000000000000000000000000000000000000",
+    "e0eb7a7c3b41b8ae1656e3faf19fc46ada098deb9c32b1fd866205165f49b800",
+    "5f9c95bca3508c24b1d0b1559c83ef5b04445cc4581c8e86d8224eddd09f1157",
+    "ecffffffffffffffffffffffffffffffffffffffffffffffffffffffffffff7f",
+    "edffffffffffffffffffffffffffffffffffffffffffffffffffffffffffff7f",
+    "eeffffffffffffffffffffffffffffffffffffffffffffffffffffffffffff7f",
+))
 
 
 class SecAggAbort(RuntimeError):
-    """The round cannot finish safely (too few survivors or holders)."""
+    """The round cannot finish safely (too few survivors or holders, an unsafe request)."""
+
+
+# --------------------------------------------------------------------------
+# SecAgg+ parameters (Bell et al. 2020): the bounds of the module docstring
+# --------------------------------------------------------------------------
+
+
+def _count(fraction: float, n: int) -> int:
+    """``ceil(fraction * n)`` in exact decimal arithmetic (0.05 * 100 is 5, not 6)."""
+    return math.ceil(Fraction(repr(float(fraction))) * n)
+
+
+def _hyp_tails(population: int, successes: int, draws: int) -> list[int]:
+    """Integer numerators of ``P[Hyp >= x]`` for x = 0..draws+1 (denominator C(population, draws))."""
+    pmf = [0] * (draws + 1)
+    for j in range(max(0, draws - (population - successes)), min(successes, draws) + 1):
+        pmf[j] = math.comb(successes, j) * math.comb(population - successes, draws - j)
+    tails = [0] * (draws + 2)
+    for j in range(draws, -1, -1):
+        tails[j] = tails[j + 1] + pmf[j]
+    return tails
+
+
+def _disconnection(n: int, removed: int, degree: int) -> Fraction:
+    """Upper bound on P[H(degree, n) on a random ring minus a fixed set of ``removed`` nodes
+    is disconnected]: ``C(n, 2) C(removed, degree) / C(n, degree)``; 0 on the complete graph."""
+    if degree >= n - 1 or removed < degree:
+        return Fraction(0)
+    return Fraction(math.comb(n, 2) * math.comb(removed, degree), math.comb(n, degree))
+
+
+class _Bounds:
+    """Exact failure bounds for one (n, k, gamma, delta), as functions of t."""
+
+    def __init__(self, n: int, degree: int, corrupted: int, dropped: int) -> None:
+        self.n, self.k, self.c, self.d = n, min(degree, n - 1), corrupted, dropped
+        k = self.k
+        self.den = math.comb(n - 1, k)
+        self.tail_c = _hyp_tails(n - 1, min(corrupted, n - 1), k)
+        self.tail_d = _hyp_tails(n - 1, min(dropped, n - 1), k)
+        self.tail_d1 = _hyp_tails(n - 1, min(max(dropped - 1, 0), n - 1), k)
+        self.conn_sec = _disconnection(n, corrupted + dropped, k)
+        self.conn_cor = _disconnection(n, dropped, k)
+
+    def _tail(self, tails: list[int], x: int) -> int:
+        if x <= 0:
+            return tails[0]
+        return tails[x] if x < len(tails) else 0
+
+    def security(self, t: int) -> Fraction:
+        return Fraction(self.n * self._tail(self.tail_c, t), self.den) + self.conn_sec
+
+    def correctness(self, t: int) -> Fraction:
+        k = self.k
+        worst = self._tail(self.tail_d, k + 2 - t)
+        if self.d >= 1:
+            worst = max(worst, self._tail(self.tail_d1, k + 1 - t))
+        return Fraction(self.n * worst, self.den) + self.conn_cor
+
+
+class SecAggPlusParameters(NamedTuple):
+    """Neighbour degree k (``n - 1`` = complete graph) and Shamir threshold t."""
+
+    degree: int
+    threshold: int
+
+
+class SecAggPlusBounds(NamedTuple):
+    """Failure probabilities bounded by the module's inequalities (floats of exact values)."""
+
+    security: float
+    correctness: float
+
+
+def _check_assumptions(n_clients: int, corrupted_fraction: float, dropout_fraction: float,
+                       statistical_security: int, correctness: int) -> None:
+    if isinstance(n_clients, bool) or int(n_clients) != n_clients or n_clients < 2:
+        raise ValueError("n_clients: must be an integer >= 2")
+    for name, value in (("corrupted_fraction", corrupted_fraction),
+                        ("dropout_fraction", dropout_fraction)):
+        if not (isinstance(value, (int, float)) and 0.0 <= value < 1.0):
+            raise ValueError(f"{name}: must be a fraction in [0, 1), got {value!r}")
+    for name, value, hi in (("statistical_security", statistical_security, 256),
+                            ("correctness", correctness, 128)):
+        if isinstance(value, bool) or int(value) != value or not 1 <= value <= hi:
+            raise ValueError(f"{name}: must be an integer in [1, {hi}] (bits), got {value!r}")
+
+
+def secagg_plus_failure_bounds(
+    n_clients: int, degree: int, threshold: int, *, corrupted_fraction: float,
+    dropout_fraction: float,
+) -> SecAggPlusBounds:
+    """Evaluate the security and correctness lines of the module docstring.
+
+    Args:
+        n_clients: n.  degree: k (``>= n - 1`` = complete graph).  threshold: t.
+        corrupted_fraction, dropout_fraction: gamma, delta (c = ceil(gamma n),
+            d = ceil(delta n)).
+
+    Returns:
+        :class:`SecAggPlusBounds` ``(security, correctness)``: the left-hand sides.
+    """
+    _check_assumptions(n_clients, corrupted_fraction, dropout_fraction, 40, 20)
+    b = _Bounds(n_clients, degree, _count(corrupted_fraction, n_clients),
+                _count(dropout_fraction, n_clients))
+    return SecAggPlusBounds(float(b.security(threshold)), float(b.correctness(threshold)))
+
+
+_MAX_SPARSE_DEGREE = 1024
+
+
+def secagg_plus_parameters(
+    n_clients: int, *, corrupted_fraction: float, dropout_fraction: float,
+    statistical_security: int = 40, correctness: int = 20,
+) -> SecAggPlusParameters:
+    """SecAgg+ neighbour degree k and threshold t for n clients (Bell et al. 2020).
+
+    The smallest even ``k < n - 1`` for which some t satisfies the security line
+    (``<= 2^-statistical_security``), the correctness line (``<= 2^-correctness``)
+    and the structure rule of the module docstring; else the complete graph
+    (``k = n - 1``) with the exact rule ``c < t <= n - d``.  t is the middle of the
+    admissible interval (rounded up): margin both against more corruption and
+    against more dropouts than assumed.
+
+    Args:
+        n_clients: clients in the round (>= 2).
+        corrupted_fraction: gamma, assumed fraction of clients colluding with the server.
+        dropout_fraction: delta, fraction of clients that may drop out at any step.
+        statistical_security: sigma, bits (default 40).
+        correctness: eta, bits (default 20: the round aborts with probability
+            <= 2^-20 when at most ``ceil(delta n)`` clients drop out).
+
+    Returns:
+        :class:`SecAggPlusParameters` ``(degree, threshold)``; pass
+        ``neighbour_degree=None if degree >= n_clients - 1 else degree``.
+
+    Raises:
+        ValueError: arguments out of range, or no (k, t) in the safe region (the
+            message names the rule).
+    """
+    _check_assumptions(n_clients, corrupted_fraction, dropout_fraction, statistical_security,
+                       correctness)
+    n = int(n_clients)
+    c, d = _count(corrupted_fraction, n), _count(dropout_fraction, n)
+    sec_budget = Fraction(1, 2**int(statistical_security))
+    cor_budget = Fraction(1, 2**int(correctness))
+    # complete graph: exact rule c < t <= n - d with t > n / 2
+    lo_complete, hi_complete = max(2, n // 2 + 1, c + 1), n - d
+    if lo_complete > hi_complete:
+        raise ValueError(
+            f"corrupted_fraction={corrupted_fraction}, dropout_fraction={dropout_fraction}: no "
+            f"safe threshold for n_clients={n} (rule: some t with t >= 2, 2t > holders, "
+            f"t > ceil(corrupted_fraction*n) = {c} and t <= n - ceil(dropout_fraction*n) = "
+            f"{hi_complete} must exist, even on the complete graph; roughly "
+            f"dropout_fraction < 1/2 and corrupted_fraction + dropout_fraction < 1)")
+    # a sparse graph can only help when delta < 1/2 and gamma + delta < 1 (large-k limit)
+    if dropout_fraction < 0.5 and corrupted_fraction + dropout_fraction < 1.0:
+        for k in range(2, min(n - 2, _MAX_SPARSE_DEGREE) + 1, 2):
+            b = _Bounds(n, k, c, d)
+            if b.conn_sec > sec_budget or b.conn_cor > cor_budget:
+                continue
+            lo = max(2, (k + 1) // 2 + 1)
+            while lo <= k + 1 and b.security(lo) > sec_budget:
+                lo += 1
+            hi = k + 1
+            while hi >= lo and b.correctness(hi) > cor_budget:
+                hi -= 1
+            if lo <= hi:
+                return SecAggPlusParameters(k, (lo + hi + 1) // 2)
+    return SecAggPlusParameters(n - 1, (lo_complete + hi_complete + 1) // 2)
+
+
+def secagg_plus_degree(n_clients: int) -> int:
+    """Legacy degree ``d = 2 ceil(log2 n)``, capped below n - 1 (even).
+
+    No corruption or dropout assumption stands behind it: use
+    :func:`secagg_plus_parameters`.
+    """
+    if n_clients < 2:
+        raise ValueError("n_clients must be >= 2")
+    d = 2 * math.ceil(math.log2(n_clients))
+    cap = n_clients - 1 if (n_clients - 1) % 2 == 0 else n_clients - 2
+    return max(2, min(d, cap))
 
 
 # --------------------------------------------------------------------------
@@ -116,7 +423,7 @@ class SecAggAbort(RuntimeError):
 
 
 class SecAggConfig(BaseModel):
-    """Parameters of one secure-aggregation round.
+    """Parameters of one secure-aggregation round (sent to every client in round 0).
 
     Attributes:
         n_clients: clients selected for the round (>= 2).
@@ -124,9 +431,20 @@ class SecAggConfig(BaseModel):
         vector_length: d, values per client (e.g. 32).
         modulus_bits: k, arithmetic modulo 2^k (8..62).
         quantisation_levels: Q, integer levels per coordinate range.
-        neighbour_degree: None (complete graph) or even d < n_clients - 1 (SecAgg+).
+        neighbour_degree: None or ``>= n_clients - 1`` (complete graph), or an even
+            degree ``< n_clients - 1`` (SecAgg+ Harary graph).
         round_id: bound into every key derivation (a key is never reused across rounds).
-        graph_seed: seed of the neighbour-graph permutation.
+        graph_seed: seed of the ring permutation; draw it at random (``secrets.randbits(64)``).
+        corrupted_fraction, dropout_fraction: gamma, delta assumed by the caller; the
+            ``(neighbour_degree, threshold)`` pair must satisfy the module's security and
+            correctness lines for them (defaults 0: nothing assumed, only the
+            structure rule binds).
+        statistical_security, correctness: sigma, eta in bits (40, 20).
+        min_survivors: clients refuse to unmask a sum over fewer survivors (e.g. the
+            cohort floor); None = threshold.  See :attr:`survivor_floor`.
+        client_ids: the sorted ids of the round's clients, so that each client derives
+            the graph itself (required by clients for their checks on a SecAgg+ graph;
+            :func:`run_secure_aggregation` fills it in).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -138,19 +456,38 @@ class SecAggConfig(BaseModel):
     quantisation_levels: int = Field(default=2**16 - 1, ge=1)
     neighbour_degree: int | None = None
     round_id: str = Field(default="round-0", min_length=1)
-    graph_seed: int = 0
+    graph_seed: int = Field(default=0, ge=0)
+    corrupted_fraction: float = Field(default=0.0, ge=0.0, lt=1.0)
+    dropout_fraction: float = Field(default=0.0, ge=0.0, lt=1.0)
+    statistical_security: int = Field(default=40, ge=1, le=256)
+    correctness: int = Field(default=20, ge=1, le=128)
+    min_survivors: int | None = Field(default=None, ge=2)
+    client_ids: tuple[int, ...] | None = None
+
+    @field_validator("client_ids")
+    @classmethod
+    def _sorted_ids(cls, v: tuple[int, ...] | None) -> tuple[int, ...] | None:
+        if v is None:
+            return None
+        if len(set(v)) != len(v):
+            raise ValueError("client_ids: ids must be distinct")
+        if any(not _INT64[0] <= u <= _INT64[1] for u in v):
+            raise ValueError("client_ids: ids must fit in a signed 64-bit integer")
+        return tuple(sorted(v))
 
     @model_validator(mode="after")
     def _check(self) -> SecAggConfig:
-        if self.n_clients * self.quantisation_levels >= 2**self.modulus_bits:
+        n = self.n_clients
+        if n * self.quantisation_levels >= 2**self.modulus_bits:
             raise ValueError(
                 "overflow bound violated: n_clients * quantisation_levels must be < "
                 "2**modulus_bits"
             )
-        if self.neighbour_degree is not None:
-            d = self.neighbour_degree
-            if d < 2 or d % 2:
-                raise ValueError("neighbour_degree must be an even integer >= 2")
+        if self.neighbour_degree is not None and self.neighbour_degree < n - 1:
+            k = self.neighbour_degree
+            if k < 2 or k % 2:
+                raise ValueError("neighbour_degree must be an even integer >= 2 "
+                                 "(or >= n_clients - 1 for the complete graph)")
         holders = self.holders_per_client
         if self.threshold > holders:
             raise ValueError("threshold must not exceed the number of share holders per client")
@@ -158,7 +495,54 @@ class SecAggConfig(BaseModel):
             raise ValueError(
                 "threshold must be a strict majority of the share holders per client"
             )
+        if self.client_ids is not None and len(self.client_ids) != n:
+            raise ValueError("client_ids: must name exactly n_clients clients")
+        b = _Bounds(n, holders - 1, _count(self.corrupted_fraction, n),
+                    _count(self.dropout_fraction, n))
+        where = (f"n_clients={n}, neighbour_degree={holders - 1}, threshold={self.threshold}, "
+                 f"corrupted_fraction={self.corrupted_fraction}, "
+                 f"dropout_fraction={self.dropout_fraction}")
+        sec = b.security(self.threshold)
+        if sec > Fraction(1, 2**self.statistical_security):
+            raise ValueError(
+                f"threshold/neighbour_degree: outside the safe region ({where}): security "
+                f"failure bound {float(sec):.3g} > 2^-{self.statistical_security} (rule: "
+                "n*P[Hyp(n-1,c,k) >= t] + C(n,2)*C(c+d,k)/C(n,k) <= 2^-statistical_security); "
+                "use secagg_plus_parameters()")
+        cor = b.correctness(self.threshold)
+        if cor > Fraction(1, 2**self.correctness):
+            raise ValueError(
+                f"threshold/neighbour_degree: outside the safe region ({where}): correctness "
+                f"failure bound {float(cor):.3g} > 2^-{self.correctness} (rule: every client "
+                "needing reconstruction keeps >= t responding holders and the survivors stay "
+                "connected, with probability >= 1 - 2^-correctness); use secagg_plus_parameters()")
+        floor = self.survivor_floor
+        if floor > n - _count(self.dropout_fraction, n):
+            raise ValueError(
+                f"min_survivors: {floor} survivors cannot be guaranteed when "
+                f"ceil(dropout_fraction*n) = {_count(self.dropout_fraction, n)} of {n} clients "
+                "drop out (rule: max(threshold, min_survivors) <= n - ceil(dropout_fraction*n))")
         return self
+
+    @classmethod
+    def from_assumptions(
+        cls, n_clients: int, vector_length: int, *, corrupted_fraction: float,
+        dropout_fraction: float, statistical_security: int = 40, correctness: int = 20,
+        **kwargs: Any,
+    ) -> SecAggConfig:
+        """Config with ``(neighbour_degree, threshold)`` from :func:`secagg_plus_parameters`.
+
+        ``kwargs``: the other fields (``round_id``, ``graph_seed``, ``client_ids``,
+        ``min_survivors``, ``quantisation_levels``, ...).
+        """
+        k, t = secagg_plus_parameters(
+            n_clients, corrupted_fraction=corrupted_fraction, dropout_fraction=dropout_fraction,
+            statistical_security=statistical_security, correctness=correctness)
+        return cls(n_clients=n_clients, vector_length=vector_length, threshold=t,
+                   neighbour_degree=None if k >= n_clients - 1 else k,
+                   corrupted_fraction=corrupted_fraction, dropout_fraction=dropout_fraction,
+                   statistical_security=statistical_security, correctness=correctness,
+                   **kwargs)
 
     @property
     def complete_graph(self) -> bool:
@@ -172,17 +556,38 @@ class SecAggConfig(BaseModel):
         return int(self.neighbour_degree) + 1  # type: ignore[arg-type]
 
     @property
+    def survivor_floor(self) -> int:
+        """Fewest survivors a client agrees to unmask: ``max(threshold, min_survivors)``."""
+        return max(self.threshold, self.min_survivors or 0)
+
+    @property
     def modulus_mask(self) -> int:
         return (1 << self.modulus_bits) - 1
 
 
-def secagg_plus_degree(n_clients: int) -> int:
-    """SecAgg+ neighbour degree ``d = 2 ceil(log2 n)``, capped below n - 1 (even)."""
-    if n_clients < 2:
-        raise ValueError("n_clients must be >= 2")
-    d = 2 * math.ceil(math.log2(n_clients))
-    cap = n_clients - 1 if (n_clients - 1) % 2 == 0 else n_clients - 2
-    return max(2, min(d, cap))
+def _ring_permutation(n: int, seed: int) -> np.ndarray:
+    """``perm[i]`` = (index in the id list of) the client at ring position i."""
+    return np.random.default_rng(seed).permutation(n)
+
+
+def _ring(ids: Sequence[int], seed: int) -> list[int]:
+    """Ring order of the clients: a seeded permutation of ``ids`` (in the order given)."""
+    ids = list(ids)
+    return [ids[i] for i in _ring_permutation(len(ids), seed)]
+
+
+def _ring_offsets(degree: int, with_self: bool = False) -> np.ndarray:
+    half = degree // 2
+    return np.arange(-half, half + 1) if with_self else np.concatenate(
+        [np.arange(-half, 0), np.arange(1, half + 1)])
+
+
+def _neighbour_matrix(n: int, degree: int, seed: int, with_self: bool = False) -> np.ndarray:
+    """(n, degree [+ 1]) int64: row j = the list indices of client j's neighbours [and j]."""
+    perm = _ring_permutation(n, seed)
+    pos = np.empty(n, dtype=np.int64)
+    pos[perm] = np.arange(n)
+    return perm[(pos[:, None] + _ring_offsets(degree, with_self)[None, :]) % n]
 
 
 def harary_neighbours(ids: Sequence[int], degree: int | None, seed: int) -> dict[int, tuple[int, ...]]:
@@ -190,22 +595,35 @@ def harary_neighbours(ids: Sequence[int], degree: int | None, seed: int) -> dict
 
     ``degree=None`` or ``>= n - 1`` gives the complete graph.  Each client is
     linked to the ``degree / 2`` clients on either side of it on a randomly
-    permuted ring (Bell et al. 2020, §3.1 use a random k-regular graph; the
-    Harary construction is the standard way to get one with minimum degree).
+    permuted ring (Bell et al. 2020 use a random k-regular graph; the Harary
+    construction is the standard way to get one with minimum degree).
     """
     ids = list(ids)
     n = len(ids)
     if degree is None or degree >= n - 1:
         return {u: tuple(v for v in ids if v != u) for u in ids}
-    perm = [ids[i] for i in np.random.default_rng(seed).permutation(n)]
-    half = degree // 2
-    out: dict[int, set[int]] = {u: set() for u in ids}
-    for i, u in enumerate(perm):
-        for j in range(1, half + 1):
-            v = perm[(i + j) % n]
-            out[u].add(v)
-            out[v].add(u)
-    return {u: tuple(sorted(vs)) for u, vs in out.items()}
+    arr = np.asarray(ids, dtype=np.int64)
+    nb = arr[_neighbour_matrix(n, degree, seed)]
+    nb.sort(axis=1)
+    return dict(zip(ids, map(tuple, nb.tolist()), strict=True))
+
+
+def _connected_on_ring(positions: np.ndarray, n: int, degree: int) -> bool:
+    """Whether the clients at these ring positions induce a connected subgraph of
+    H(degree, n): two of them are adjacent iff at most ``degree / 2`` ring steps apart,
+    so the induced graph is connected iff at most one cyclic gap between consecutive
+    members exceeds ``degree / 2`` steps."""
+    if positions.size <= 1:
+        return True
+    pos = np.sort(positions)
+    gaps = np.diff(pos, append=pos[0] + n)
+    return int(np.count_nonzero(gaps > degree // 2)) <= 1
+
+
+def _ring_connected(ring: Sequence[int], members: frozenset[int], degree: int) -> bool:
+    """Whether ``members`` induce a connected subgraph of H(degree, n) on ``ring``."""
+    pos = np.flatnonzero(np.fromiter((u in members for u in ring), dtype=bool, count=len(ring)))
+    return _connected_on_ring(pos, len(ring), degree)
 
 
 class FixedPointQuantiser:
@@ -255,6 +673,183 @@ class FixedPointQuantiser:
 
 
 # --------------------------------------------------------------------------
+# Shamir secret sharing over GF(2^130 - 5) (the textbook scheme)
+# --------------------------------------------------------------------------
+
+
+def shamir_split(secret: int, threshold: int, xs: Sequence[int]) -> list[int]:
+    """Shares ``f(x)`` for x in ``xs`` of a uniformly random polynomial f over
+    GF(SHAMIR_PRIME) of degree ``threshold - 1`` with ``f(0) = secret``.
+
+    Any ``threshold`` shares determine the secret; fewer are independent of it.
+    """
+    p = SHAMIR_PRIME
+    if not 0 <= secret < p:
+        raise ValueError("secret: must be an integer in [0, SHAMIR_PRIME)")
+    if threshold < 1 or len(xs) < threshold:
+        raise ValueError("threshold: need 1 <= threshold <= number of shares")
+    if len(set(xs)) != len(xs) or any(not 0 < x < p for x in xs):
+        raise ValueError("xs: share points must be distinct and nonzero")
+    return _split_many([secret], threshold, xs)[0]
+
+
+def _random_field_elements(count: int) -> list[int]:
+    """``count`` independent uniform elements of GF(SHAMIR_PRIME) from ``os.urandom``
+    (130-bit draws, rejection of the 5 values >= p)."""
+    out: list[int] = []
+    while len(out) < count:
+        need = count - len(out)
+        raw = os.urandom(_SHARE_BYTES * need)
+        for i in range(need):
+            v = int.from_bytes(raw[i * _SHARE_BYTES:(i + 1) * _SHARE_BYTES], "little") & _MASK130
+            if v < SHAMIR_PRIME:
+                out.append(v)
+    return out
+
+
+def _split_many(secret_values: Sequence[int], threshold: int, xs: Sequence[int]) -> list[list[int]]:
+    """Shamir shares at ``xs`` of several secrets (one random polynomial each): the
+    powers ``x^j mod p`` are computed once and shared by the polynomials."""
+    p = SHAMIR_PRIME
+    coeffs = _random_field_elements(len(secret_values) * (threshold - 1))
+    powers = []
+    for x in xs:
+        row, acc = [], 1
+        for _ in range(threshold - 1):
+            acc = acc * x % p
+            row.append(acc)
+        powers.append(row)
+    out = []
+    for i, secret in enumerate(secret_values):
+        c = coeffs[i * (threshold - 1):(i + 1) * (threshold - 1)]
+        out.append([(secret + sum(map(operator.mul, c, row))) % p for row in powers])
+    return out
+
+
+@lru_cache(maxsize=8192)
+def _lagrange_at_zero(xs: tuple[int, ...]) -> tuple[int, ...]:
+    """Lagrange coefficients l_i with ``f(0) = sum_i l_i f(x_i)`` for deg f < len(xs):
+    ``l_i = prod_{j != i} x_j / (x_j - x_i)``, with one modular inversion for all i
+    (Montgomery's batch trick)."""
+    p = SHAMIR_PRIME
+    nums, dens = [], []
+    for i, xi in enumerate(xs):
+        num = den = 1
+        for j, xj in enumerate(xs):
+            if j != i:
+                num = num * xj % p
+                den = den * (xj - xi) % p
+        nums.append(num)
+        dens.append(den)
+    prefix, acc = [], 1
+    for v in dens:
+        prefix.append(acc)
+        acc = acc * v % p
+    inv = pow(acc, -1, p)
+    out = [0] * len(xs)
+    for i in range(len(xs) - 1, -1, -1):
+        out[i] = nums[i] * (inv * prefix[i] % p) % p
+        inv = inv * dens[i] % p
+    return tuple(out)
+
+
+def shamir_reconstruct(points: Sequence[tuple[int, int]]) -> int:
+    """``f(0)`` from exactly ``threshold`` shares ``(x, f(x))`` (Lagrange interpolation)."""
+    xs = tuple(int(x) for x, _ in points)
+    if len(set(xs)) != len(xs) or any(not 0 < x < SHAMIR_PRIME for x in xs):
+        raise ValueError("points: share points must be distinct and nonzero")
+    lam = _lagrange_at_zero(xs)
+    return sum(la * int(y) for la, (_, y) in zip(lam, points, strict=True)) % SHAMIR_PRIME
+
+
+def _solve_mod_p(rows: list[list[int]], n_unknowns: int) -> list[int] | None:
+    """One solution of a linear system over GF(p) (augmented rows), free unknowns 0."""
+    p = SHAMIR_PRIME
+    a = [r[:] for r in rows]
+    pivots: list[int] = []
+    r = 0
+    for col in range(n_unknowns):
+        piv = next((i for i in range(r, len(a)) if a[i][col] % p), None)
+        if piv is None:
+            continue
+        a[r], a[piv] = a[piv], a[r]
+        inv = pow(a[r][col], -1, p)
+        a[r] = [v * inv % p for v in a[r]]
+        for i in range(len(a)):
+            if i != r and a[i][col]:
+                f = a[i][col]
+                a[i] = [(v - f * w) % p for v, w in zip(a[i], a[r], strict=True)]
+        pivots.append(col)
+        r += 1
+    if any(row[-1] % p for row in a[r:]):
+        return None
+    sol = [0] * n_unknowns
+    for i, col in enumerate(pivots):
+        sol[col] = a[i][-1]
+    return sol
+
+
+def _poly_eval(coeffs: Sequence[int], x: int) -> int:
+    acc = 0
+    for c in reversed(coeffs):  # coeffs lowest degree first
+        acc = (acc * x + c) % SHAMIR_PRIME
+    return acc
+
+
+def _poly_through(points: Sequence[tuple[int, int]]) -> list[int]:
+    """Coefficients (lowest degree first) of the polynomial of degree < len(points)
+    through the points (distinct nonzero x)."""
+    p = SHAMIR_PRIME
+    rows = [[pow(x, i, p) for i in range(len(points))] + [y % p] for x, y in points]
+    sol = _solve_mod_p(rows, len(points))
+    assert sol is not None  # a Vandermonde system with distinct points is regular
+    return sol
+
+
+def _berlekamp_welch(points: Sequence[tuple[int, int]], threshold: int) -> list[int] | None:
+    """The polynomial (lowest degree first) of degree < ``threshold`` through all but at
+    most ``(m - threshold) // 2`` of the m points (Reed-Solomon decoding), or None."""
+    p = SHAMIR_PRIME
+    m = len(points)
+    e = (m - threshold) // 2
+    if e < 1:
+        return None
+    nq = threshold + e
+    rows = []
+    for x, y in points:
+        powers = [pow(x, i, p) for i in range(nq)]
+        rows.append(powers + [(-y * powers[i]) % p for i in range(e)] + [y * pow(x, e, p) % p])
+    sol = _solve_mod_p(rows, nq + e)
+    if sol is None:
+        return None
+    q, err = sol[:nq], sol[nq:] + [1]  # E monic of degree e
+    quotient = [0] * (nq - e)
+    rem = q[:]
+    for i in range(nq - 1, e - 1, -1):  # long division by the monic E
+        coef = rem[i]
+        quotient[i - e] = coef
+        if coef:
+            for j in range(e + 1):
+                rem[i - e + j] = (rem[i - e + j] - coef * err[j]) % p
+    if any(rem[:e]) or any(quotient[threshold:]):
+        return None
+    poly = quotient[:threshold]
+    agree = sum(1 for x, y in points if _poly_eval(poly, x) == y % p)
+    return poly if agree >= m - e else None
+
+
+def _to_share(v: int) -> bytes:
+    return v.to_bytes(_SHARE_BYTES, "little")
+
+
+def _from_share(b: Any) -> int | None:
+    if not isinstance(b, (bytes, bytearray)) or len(b) != _SHARE_BYTES:
+        return None
+    v = int.from_bytes(b, "little")
+    return v if v < SHAMIR_PRIME else None
+
+
+# --------------------------------------------------------------------------
 # primitives (thin wrappers; all cryptography from the libraries)
 # --------------------------------------------------------------------------
 
@@ -267,16 +862,47 @@ def _hkdf(secret: bytes, info: bytes, length: int = 32) -> bytes:
     return HKDF(algorithm=hashes.SHA256(), length=length, salt=None, info=info).derive(secret)
 
 
+_GCM_NONCE = b"\x00" * 12
+
+
+@lru_cache(maxsize=16)
+def _zeros(nbytes: int) -> bytes:
+    return bytes(nbytes)
+
+
 def prg_words(seed: bytes, d: int, modulus_mask: int) -> np.ndarray:
-    """Expand a 16/32-byte seed into d uniform words mod 2^k (AES-CTR keystream)."""
-    enc = Cipher(algorithms.AES(seed), modes.CTR(_ZERO_NONCE16)).encryptor()
-    stream = enc.update(b"\x00" * (8 * d)) + enc.finalize()
-    return np.frombuffer(stream, dtype="<u8").astype(np.uint64) & np.uint64(modulus_mask)
+    """Expand a 16/32-byte seed into d uniform words mod 2^k (AES-CTR keystream).
+
+    The keystream is AES-CTR under ``seed`` from the initial counter block
+    ``0^96 || 0x00000002``, ``8 d`` bytes read as d little-endian uint64 words and
+    reduced mod 2^k (a power of two, so uniform words stay uniform).  It is computed
+    in one call as ``AESGCM(seed).encrypt(0^96, 0^(8d))`` minus its tag -- GCM encrypts
+    with exactly that CTR keystream (NIST SP 800-38D; tested) -- which costs half of
+    the generic ``Cipher`` route.  Every seed is a fresh key (the round id is bound
+    into each derivation), so the fixed counter block never repeats a keystream for
+    two different masks.
+    """
+    stream = AESGCM(seed).encrypt(_GCM_NONCE, _zeros(8 * d), None)
+    return np.frombuffer(stream, dtype="<u8", count=d) & np.uint64(modulus_mask)
 
 
 def _pair_info(kind: str, round_id: str, u: int, v: int) -> bytes:
     a, b = (u, v) if u < v else (v, u)
     return f"clma-secagg|{kind}|{round_id}|{a}|{b}".encode()
+
+
+def self_mask_commitment(round_id: str, client_id: int, b: bytes) -> bytes:
+    """``SHA-256("clma-secagg|b-commitment|" round_id "|" u "|" b_u)`` (32 bytes)."""
+    h = hashes.Hash(hashes.SHA256())
+    h.update(f"clma-secagg|b-commitment|{round_id}|{client_id}|".encode() + b)
+    return h.finalize()
+
+
+_LOW_ORDER_ANY = _LOW_ORDER_POINTS | {p[:31] + bytes([p[31] | 0x80]) for p in _LOW_ORDER_POINTS}
+
+
+def _low_order(pk: bytes) -> bool:
+    return pk in _LOW_ORDER_ANY
 
 
 # --------------------------------------------------------------------------
@@ -304,18 +930,25 @@ class EncryptedShare:
 
 @dataclass(frozen=True, slots=True)
 class ShareKeys:
-    """Round 1: all encrypted shares of one client."""
+    """Round 1: all encrypted shares of one client and its commitment to ``b_u``.
+
+    ``b_commitment``: :func:`self_mask_commitment` of the client's self-mask seed (32 bytes);
+    ``b""`` (a message from a codec that does not carry it yet) leaves the
+    reconstruction of that client's ``b_u`` unverified.
+    """
 
     client_id: int
     shares: tuple[EncryptedShare, ...]
+    b_commitment: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)
 class MaskedInput:
-    """Round 2: masked vector, uint64 ``(d,)`` with values in ``[0, 2^k)``."""
+    """Round 2: masked vector, ``(d,)`` integers in ``[0, 2^k)`` (uint64 from honest clients;
+    the server accepts any integer array-like and range-checks it)."""
 
     client_id: int
-    masked: np.ndarray
+    masked: Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -330,8 +963,9 @@ class UnmaskingRequest:
 class UnmaskingResponse:
     """Round 3 (client -> server): shares of b_u (u in S) and s_sk_u (u in D).
 
-    ``self_mask_shares[u] = (index, 16 bytes)``;
-    ``key_shares[u] = (index, 16 bytes, 16 bytes)``.
+    ``self_mask_shares[u] = (index, 17 bytes)``;
+    ``key_shares[u] = (index, 17 bytes, 17 bytes)`` (the two 16-byte key halves);
+    shares are little-endian elements of GF(2^130 - 5).
     """
 
     client_id: int
@@ -346,12 +980,18 @@ class SecAggResult:
     Attributes:
         sum_quantised: uint64 ``(d,)``, exact sum over survivors of quantised inputs.
         contributors: number of survivors whose input is in the sum.
-        survivors, dropped: client ids.
+        survivors, dropped: client ids (dropped: shared keys, but no valid masked input).
         client_seconds, server_seconds: wall time spent in client and server code
             (filled by :func:`run_secure_aggregation`), per phase.  Server phase
             ``unmasking`` splits into ``unmasking.self_masks`` (reconstructing
             survivors' self masks) and ``unmasking.dropout_recovery``
             (reconstructing dropped clients' keys and removing their pairwise masks).
+        rejected: client id -> reason, for every client whose message the server
+            refused (``"<step>: <rule>"``).  Refused before or at its masked input, the
+            client is a dropout (absent, or in ``dropped``); refused at unmasking (a
+            malformed response, or shares inconsistent with the verified secret), its
+            response is ignored -- its own input is in the sum like that of any
+            survivor that goes silent before unmasking.
     """
 
     sum_quantised: np.ndarray
@@ -360,6 +1000,7 @@ class SecAggResult:
     dropped: tuple[int, ...]
     client_seconds: dict[str, float] = field(default_factory=dict)
     server_seconds: dict[str, float] = field(default_factory=dict)
+    rejected: dict[int, str] = field(default_factory=dict)
 
 
 # --------------------------------------------------------------------------
@@ -378,10 +1019,57 @@ class SecAggClient:
         self._b = os.urandom(16)  # self-mask seed (AES-128 key for the PRG)
         self._neighbours: tuple[int, ...] = ()
         self._roster: dict[int, AdvertiseKeys] = {}
-        self._enc_keys: dict[int, AESGCM] = {}
-        # owner -> (share index, b share, s share half a, s share half b)
+        self._enc_keys: dict[int, AESGCM] = {}  # cached share-encryption key agreements
+        # owner -> (share index, b share, s share half a, s share half b), 17 bytes each
         self._held: dict[int, tuple[int, bytes, bytes, bytes]] = {}
         self._sent_input = False
+        self._answered = False
+        self._graph: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+
+    # the graph fixed by the config
+    def _ring(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(sorted client ids, ring permutation, ring position of each id index)."""
+        if self._graph is None:
+            cfg = self.config
+            if cfg.client_ids is None:
+                raise SecAggAbort("the config names no client_ids: this client cannot derive "
+                                  "the neighbour graph to check the server's requests")
+            ids = np.asarray(cfg.client_ids, dtype=np.int64)
+            perm = _ring_permutation(len(ids), cfg.graph_seed)
+            pos = np.empty(len(ids), dtype=np.int64)
+            pos[perm] = np.arange(len(ids))
+            self._graph = ids, perm, pos
+        return self._graph
+
+    def _dense(self, members: Sequence[int] | frozenset[int]) -> np.ndarray:
+        """Indices of client ids in the sorted id list (SecAggAbort if one is unknown)."""
+        ids = self._ring()[0]
+        arr = np.fromiter(members, dtype=np.int64, count=len(members))
+        j = np.searchsorted(ids, arr)
+        if np.any(j >= len(ids)) or np.any(ids[np.minimum(j, len(ids) - 1)] != arr):
+            raise SecAggAbort("a client outside the config's client_ids")
+        return j
+
+    def _holder_matrix(self, owners: Sequence[int]) -> np.ndarray:
+        """(len(owners), k + 1) sorted ids of each owner's holders (SecAgg+ graph)."""
+        ids, perm, pos = self._ring()
+        offs = _ring_offsets(int(self.config.neighbour_degree), with_self=True)  # type: ignore[arg-type]
+        rows = ids[perm[(pos[self._dense(owners)][:, None] + offs[None, :]) % len(ids)]]
+        rows.sort(axis=1)
+        return rows
+
+    def _graph_neighbours(self, u: int) -> tuple[int, ...] | None:
+        """Neighbours of ``u`` in the graph the config fixes (None: the config names no ids)."""
+        cfg = self.config
+        if cfg.client_ids is None:
+            return None
+        if cfg.complete_graph:
+            if u not in cfg.client_ids:
+                raise SecAggAbort("a client outside the config's client_ids")
+            return tuple(v for v in cfg.client_ids if v != u)
+        row = self._holder_matrix([u])[0].tolist()
+        row.remove(u)
+        return tuple(row)
 
     # Round 0
     def advertise(self) -> AdvertiseKeys:
@@ -398,47 +1086,82 @@ class SecAggClient:
 
     # Round 1
     def share_keys(self, roster: Mapping[int, AdvertiseKeys], neighbours: Sequence[int]) -> ShareKeys:
-        """Shamir-share ``b_u`` and ``s_sk_u`` among neighbours + self; encrypt each share."""
+        """Shamir-share ``b_u`` and ``s_sk_u`` among neighbours + self; encrypt each share.
+
+        ``neighbours``: the server's list, checked against the graph the config fixes
+        (when the config names ``client_ids``); ``roster``: the advertised keys of
+        those neighbours that advertised.
+        """
         self._neighbours = tuple(sorted(int(v) for v in neighbours))
         self._roster = {int(k): v for k, v in roster.items()}
         if self.id in self._neighbours:
             raise ValueError("a client cannot be its own neighbour")
-        if len({m.c_pk for m in self._roster.values()}) != len(self._roster):
+        expected = self._graph_neighbours(self.id)
+        if expected is not None and self._neighbours != expected:
+            raise SecAggAbort("the server's neighbour list differs from the graph fixed by "
+                              "the config (client_ids, graph_seed)")
+        if not set(self._roster) <= set(self._neighbours):
+            raise SecAggAbort("the roster names a client that is not a neighbour")
+        keys = [m.c_pk for m in self._roster.values()] + [m.s_pk for m in self._roster.values()]
+        if len(set(keys)) != len(keys):
             raise SecAggAbort("duplicate public keys in the roster")
-        holders = sorted((*self._neighbours, self.id))
         t = self.config.threshold
-        if len(holders) < t:
+        recipients = [v for v in self._neighbours if v in self._roster]
+        if len(recipients) + 1 < t:
             raise SecAggAbort("fewer share holders than the threshold")
+        rank = {h: i + 1 for i, h in enumerate(sorted((*self._neighbours, self.id)))}
         s_raw = self._s_sk.private_bytes_raw()
-        b_shares = Shamir.split(t, len(holders), self._b)
-        s_a = Shamir.split(t, len(holders), s_raw[:16])
-        s_b = Shamir.split(t, len(holders), s_raw[16:])
+        holders = [*recipients, self.id]
+        xs = [rank[h] for h in holders]
+        b_sh, sa_sh, sb_sh = _split_many(
+            [int.from_bytes(self._b, "little"), int.from_bytes(s_raw[:16], "little"),
+             int.from_bytes(s_raw[16:], "little")], t, xs)
+        nonce = struct.pack("<q", self.id) + b"\x00" * 4
         out = []
-        for pos, holder in enumerate(holders):
-            idx = pos + 1
-            assert b_shares[pos][0] == idx
-            payload = struct.pack("<qqI", self.id, holder, idx) + b_shares[pos][1] + s_a[pos][1] + s_b[pos][1]
+        for holder, x, b, sa, sb in zip(holders, xs, b_sh, sa_sh, sb_sh, strict=True):
+            shares = (_to_share(b), _to_share(sa), _to_share(sb))
             if holder == self.id:
-                self._held[self.id] = (idx, b_shares[pos][1], s_a[pos][1], s_b[pos][1])
+                self._held[self.id] = (x, *shares)
                 continue
-            nonce = struct.pack("<q", self.id) + b"\x00" * 4
+            payload = _HEADER.pack(self.id, holder, x) + b"".join(shares)
             ad = struct.pack("<qq", self.id, holder)
-            ct = self._aead(holder).encrypt(nonce, payload, ad)
-            out.append(EncryptedShare(self.id, holder, ct))
-        return ShareKeys(self.id, tuple(out))
+            out.append(EncryptedShare(self.id, holder, self._aead(holder).encrypt(nonce, payload, ad)))
+        return ShareKeys(self.id, tuple(out), self_mask_commitment(self.config.round_id, self.id, self._b))
 
     def receive_shares(self, shares: Sequence[EncryptedShare]) -> None:
-        """Decrypt and keep the shares routed to this client (AES-GCM verifies them)."""
+        """Decrypt and keep the shares routed to this client (AES-GCM verifies them).
+
+        A share is kept under this client's own share index for its owner (its rank among
+        the owner's holders, known from the graph) and a value outside the field is kept
+        as 0: a dealer's wrong header or value then makes one bad share, which the
+        server's decoding works around, not a malformed response from this client.
+        """
+        cfg = self.config
+        shares = list(shares)
         for sh in shares:
             if sh.recipient != self.id or sh.sender not in self._neighbours:
                 raise SecAggAbort("share routed to the wrong client or from a non-neighbour")
+        if cfg.complete_graph:  # the owner's holders are everyone, as are this client's
+            my_rank = sorted((*self._neighbours, self.id)).index(self.id) + 1
+            ranks = [my_rank] * len(shares)
+        elif cfg.client_ids is not None and shares:
+            rows = self._holder_matrix([sh.sender for sh in shares])
+            ranks = (np.count_nonzero(rows < self.id, axis=1) + 1).tolist()
+        else:
+            ranks = [None] * len(shares)
+        for sh, rank in zip(shares, ranks, strict=True):
             nonce = struct.pack("<q", sh.sender) + b"\x00" * 4
             ad = struct.pack("<qq", sh.sender, self.id)
             pt = self._aead(sh.sender).decrypt(nonce, sh.ciphertext, ad)
-            owner, recipient, idx = struct.unpack("<qqI", pt[:20])
+            if len(pt) != _PAYLOAD_BYTES:
+                raise SecAggAbort("share payload has the wrong length")
+            owner, recipient, idx = _HEADER.unpack(pt[:_HEADER.size])
             if owner != sh.sender or recipient != self.id:
                 raise SecAggAbort("share header does not match its envelope")
-            self._held[owner] = (idx, pt[20:36], pt[36:52], pt[52:68])
+            body = pt[_HEADER.size:]
+            parts = tuple(body[i * _SHARE_BYTES:(i + 1) * _SHARE_BYTES] for i in range(3))
+            parts = tuple(p if _from_share(p) is not None else _to_share(0) for p in parts)
+            self._held[owner] = (idx if rank is None else rank, *parts)
 
     def _pair_seed(self, other: int) -> bytes:
         peer = X25519PublicKey.from_public_bytes(self._roster[other].s_pk)
@@ -468,15 +1191,38 @@ class SecAggClient:
 
     # Round 3
     def unmask(self, request: UnmaskingRequest) -> UnmaskingResponse:
-        """Reveal b-shares of survivors and key shares of dropped clients, never both."""
-        s, d = request.survivors, request.dropped
+        """Reveal b-shares of survivors and key shares of dropped clients, never both.
+
+        Answers at most one request per round (a second one, even identical, is
+        refused), and only a request under which the server learns one sum over
+        at least :attr:`SecAggConfig.survivor_floor` clients: ``S ∩ D = ∅``, this
+        client in S, at least t of its holders in S and, on a SecAgg+ graph, the
+        survivors connected in the graph fixed by the config.
+        """
+        if self._answered:
+            raise SecAggAbort("this client already received an unmasking request this round: "
+                              "it answers at most once per round")
+        self._answered = True
+        s, d = frozenset(request.survivors), frozenset(request.dropped)
+        cfg = self.config
         if s & d:
             raise SecAggAbort("a client is listed both as survivor and as dropped")
         if self.id not in s:
             raise SecAggAbort("only survivors take part in unmasking")
+        if cfg.client_ids is not None and not (s | d) <= set(cfg.client_ids):
+            raise SecAggAbort("the request names clients outside this round")
+        if len(s) < cfg.survivor_floor:
+            raise SecAggAbort(
+                f"only {len(s)} survivors: this client refuses to unmask a sum over fewer than "
+                f"{cfg.survivor_floor} clients")
         holders = set(self._neighbours) | {self.id}
-        if len(holders & s) < self.config.threshold:
+        if len(holders & s) < cfg.threshold:
             raise SecAggAbort("fewer survivors among this client's holders than the threshold")
+        if not cfg.complete_graph:
+            ids, _, pos = self._ring()
+            if not _connected_on_ring(pos[self._dense(s)], len(ids), int(cfg.neighbour_degree)):  # type: ignore[arg-type]
+                raise SecAggAbort("the survivors are disconnected in the neighbour graph: the "
+                                  "server could unmask the sum of each component separately")
         b_out: dict[int, tuple[int, bytes]] = {}
         k_out: dict[int, tuple[int, bytes, bytes]] = {}
         for owner, (idx, b_sh, sa, sb) in self._held.items():
@@ -492,64 +1238,353 @@ class SecAggClient:
 # --------------------------------------------------------------------------
 
 
+def _as_words(x: Any, d: int, bits: int) -> tuple[np.ndarray | None, str]:
+    """Validate a masked vector: integer dtype, shape (d,), every word in [0, 2^bits)."""
+    try:
+        arr = x if isinstance(x, np.ndarray) else np.asarray(x)
+    except (ValueError, TypeError, OverflowError):
+        return None, "masked_input: not an integer vector"
+    if arr.dtype == object:
+        flat = arr.ravel().tolist()
+        if not all(type(w) is int for w in flat):
+            return None, "masked_input: words must be integers"
+        if arr.shape != (d,):
+            return None, f"masked_input: wrong length (expected {d} words)"
+        if any(not 0 <= w < 1 << bits for w in flat):
+            return None, f"masked_input: word outside [0, 2^{bits})"
+        return np.asarray(flat, dtype=np.uint64), ""
+    if arr.dtype.kind not in "iu":
+        return None, f"masked_input: words must be integers (dtype {arr.dtype})"
+    if arr.shape != (d,):
+        return None, f"masked_input: wrong length (expected {d} words)"
+    if arr.dtype.kind == "i" and d and int(arr.min()) < 0:
+        return None, f"masked_input: word outside [0, 2^{bits})"
+    if d and int(arr.max()) >= 1 << bits:
+        return None, f"masked_input: word outside [0, 2^{bits})"
+    return arr.astype(np.uint64), ""
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
 class SecAggServer:
-    """Server side: routes messages, never holds a client secret, outputs only the sum."""
+    """Server side: routes messages, never holds a client secret, outputs only the sum.
+
+    Every message is validated; a client whose message breaks a rule is recorded in
+    :attr:`rejected` and treated as a dropout from that step on (a malformed
+    unmasking response is ignored).  Only too few clients left, or a secret with no
+    consistent set of t shares, abort the round (:class:`SecAggAbort`).
+
+    Unmasking is batched: all shares are range- and index-checked at once (numpy),
+    grouped by owner, and each secret is interpolated from its t lowest share indices
+    with Lagrange coefficients cached per index set (one set serves every owner whose
+    first t holders answered); masks are expanded with one AES-CTR call per seed and
+    summed as one array.
+    """
 
     def __init__(self, config: SecAggConfig, client_ids: Sequence[int]) -> None:
         ids = [int(c) for c in client_ids]
         if len(ids) != config.n_clients or len(set(ids)) != len(ids):
             raise ValueError("client_ids must be n_clients distinct integers")
+        if config.client_ids is not None and tuple(sorted(ids)) != config.client_ids:
+            raise ValueError("client_ids: must equal the config's client_ids")
         self.config = config
         self.ids = tuple(sorted(ids))
-        self.neighbours = harary_neighbours(
-            self.ids, None if config.complete_graph else config.neighbour_degree, config.graph_seed
-        )
+        self._idset = frozenset(self.ids)
+        self._dense = {u: i for i, u in enumerate(self.ids)}
+        n = len(self.ids)
+        self._H: np.ndarray | None = None  # (n, k+1) sorted dense holders of each owner
+        if config.complete_graph:
+            self.neighbours = {u: self.ids[:i] + self.ids[i + 1:] for i, u in enumerate(self.ids)}
+        else:
+            k = int(config.neighbour_degree)  # type: ignore[arg-type]
+            holders = _neighbour_matrix(n, k, config.graph_seed, with_self=True)
+            holders.sort(axis=1)  # dense order is id order
+            self._H = holders
+            others = holders[holders != np.arange(n)[:, None]].reshape(n, k)
+            ids_arr = np.asarray(self.ids, dtype=np.int64)
+            self.neighbours = dict(zip(self.ids, map(tuple, ids_arr[others].tolist()), strict=True))
         self._roster: dict[int, AdvertiseKeys] = {}
         self._u1: set[int] = set()
+        self._commitments: dict[int, bytes] = {}
         self._masked: dict[int, np.ndarray] = {}
         self._request: UnmaskingRequest | None = None
+        self._rejected: dict[int, str] = {}
+
+    @property
+    def rejected(self) -> dict[int, str]:
+        """Client id -> reason for every message refused so far."""
+        return dict(self._rejected)
+
+    def _reject(self, u: Any, reason: str) -> None:
+        if _is_int(u):
+            self._rejected.setdefault(int(u), reason)
 
     def collect_advertisements(self, msgs: Sequence[AdvertiseKeys]) -> dict[int, dict[int, AdvertiseKeys]]:
-        """Round 0: returns, per client, the public keys of its neighbours."""
-        self._roster = {m.client_id: m for m in msgs}
+        """Round 0: returns, per accepted client, the public keys of its neighbours."""
+        seen: dict[int, AdvertiseKeys] = {}
+        twice: set[int] = set()
+        for m in msgs:
+            u = getattr(m, "client_id", None)
+            if not _is_int(u) or int(u) not in self._idset:
+                self._reject(u, "advertise_keys: not a client of this round")
+                continue
+            u = int(u)
+            if u in seen or u in twice:
+                twice.add(u)
+                seen.pop(u, None)
+                self._reject(u, "advertise_keys: sent twice")
+                continue
+            c_pk, s_pk = getattr(m, "c_pk", None), getattr(m, "s_pk", None)
+            if type(c_pk) is not bytes or type(s_pk) is not bytes or len(c_pk) != 32 \
+                    or len(s_pk) != 32:
+                self._reject(u, "advertise_keys: public keys must be 32 bytes")
+                continue
+            if c_pk in _LOW_ORDER_ANY or s_pk in _LOW_ORDER_ANY:
+                self._reject(u, "advertise_keys: low-order public key")
+                continue
+            seen[u] = m
+        owners: dict[bytes, list[int]] = {}
+        for u, m in seen.items():
+            owners.setdefault(m.c_pk, []).append(u)
+            owners.setdefault(m.s_pk, []).append(u)
+        for us in owners.values():
+            if len(us) > 1:
+                for u in us:
+                    self._reject(u, "advertise_keys: public key used twice")
+                    seen.pop(u, None)
+        self._roster = seen
         if len(self._roster) < self.config.threshold:
             raise SecAggAbort("fewer clients advertised keys than the threshold")
-        return {
-            u: {v: self._roster[v] for v in self.neighbours[u] if v in self._roster}
-            for u in self._roster
-        }
+        roster = self._roster
+        return {u: {v: roster[v] for v in self.neighbours[u] if v in roster} for u in roster}
+
+    def _share_keys_problem(self, u: int, m: Any) -> str:
+        shares = getattr(m, "shares", None)
+        if type(shares) not in (tuple, list):
+            return "share_keys: shares must be a sequence"
+        roster = self._roster
+        expected = {v for v in self.neighbours[u] if v in roster}
+        if len(shares) != len(expected) or (shares and set(map(type, shares)) != {EncryptedShare}):
+            return "share_keys: no share for some advertised neighbour"
+        if shares and {sh.sender for sh in shares} != {u}:
+            return "share_keys: share from another sender"
+        if {sh.recipient for sh in shares} != expected:
+            return "share_keys: no share for some advertised neighbour"
+        cts = [sh.ciphertext for sh in shares]
+        if cts and (set(map(type, cts)) != {bytes} or set(map(len, cts)) != {_CIPHERTEXT_BYTES}):
+            return f"share_keys: ciphertext must be {_CIPHERTEXT_BYTES} bytes"
+        c = getattr(m, "b_commitment", b"")
+        if type(c) is not bytes or len(c) not in (0, _COMMITMENT_BYTES):
+            return f"share_keys: b_commitment must be {_COMMITMENT_BYTES} bytes"
+        return ""
 
     def route_shares(self, msgs: Sequence[ShareKeys]) -> dict[int, list[EncryptedShare]]:
-        """Round 1: routes ciphertexts; U1 = clients that sent their shares."""
-        self._u1 = {m.client_id for m in msgs}
+        """Round 1: routes ciphertexts; U1 = clients whose ShareKeys was valid."""
+        accepted: dict[int, ShareKeys] = {}
+        twice: set[int] = set()
+        for m in msgs:
+            u = getattr(m, "client_id", None)
+            if not _is_int(u) or int(u) not in self._roster:
+                self._reject(u, "share_keys: not an advertised client")
+                continue
+            u = int(u)
+            if u in accepted or u in twice:
+                twice.add(u)
+                accepted.pop(u, None)
+                self._reject(u, "share_keys: sent twice")
+                continue
+            reason = self._share_keys_problem(u, m)
+            if reason:
+                self._reject(u, reason)
+                continue
+            accepted[u] = m
+        self._u1 = set(accepted)
+        self._commitments = {u: m.b_commitment for u, m in accepted.items()}
         if len(self._u1) < self.config.threshold:
             raise SecAggAbort("fewer clients shared keys than the threshold")
         inbox: dict[int, list[EncryptedShare]] = {u: [] for u in self._u1}
-        for m in msgs:
+        for m in accepted.values():
             for sh in m.shares:
-                if sh.recipient in inbox:
-                    inbox[sh.recipient].append(sh)
+                box = inbox.get(sh.recipient)
+                if box is not None:
+                    box.append(sh)
         return inbox
 
     def collect_masked_inputs(self, msgs: Sequence[MaskedInput]) -> UnmaskingRequest:
-        """Round 2: keeps masked vectors; aborts below t survivors."""
-        d = self.config.vector_length
-        self._masked = {}
+        """Round 2: keeps valid masked vectors; aborts below t (or the floor of) survivors."""
+        cfg = self.config
+        d, bits = cfg.vector_length, cfg.modulus_bits
+        vectors: dict[int, np.ndarray] = {}
+        twice: set[int] = set()
         for m in msgs:
-            if m.client_id not in self._u1:
+            u = getattr(m, "client_id", None)
+            if not _is_int(u) or int(u) not in self._u1:
+                if _is_int(u) and int(u) in self._idset:
+                    self._reject(u, "masked_input: did not share keys")
                 continue
-            y = np.asarray(m.masked)
-            if y.shape != (d,) or y.dtype != np.uint64:
-                raise ValueError("masked input must be uint64 of shape (vector_length,)")
-            self._masked[m.client_id] = y
+            u = int(u)
+            if u in vectors or u in twice:
+                twice.add(u)
+                vectors.pop(u, None)
+                self._reject(u, "masked_input: sent twice")
+                continue
+            y = getattr(m, "masked", None)
+            if type(y) is np.ndarray and y.dtype == np.uint64 and y.shape == (d,):
+                vectors[u] = y  # range-checked below, all at once
+                continue
+            y, reason = _as_words(y, d, bits)
+            if y is None:
+                self._reject(u, reason)
+                continue
+            vectors[u] = y
+        if vectors:
+            us = list(vectors)
+            over = np.flatnonzero((np.stack(list(vectors.values())) >> np.uint64(bits)).any(axis=1))
+            for i in over.tolist():
+                self._reject(us[i], f"masked_input: word outside [0, 2^{bits})")
+                del vectors[us[i]]
+        self._masked = vectors
         survivors = frozenset(self._masked)
-        if len(survivors) < self.config.threshold:
+        if len(survivors) < cfg.threshold:
             raise SecAggAbort(
                 f"only {len(survivors)} clients sent masked input; the threshold is "
-                f"{self.config.threshold}: the round is aborted and no sum is released"
+                f"{cfg.threshold}: the round is aborted and no sum is released"
             )
+        if len(survivors) < cfg.survivor_floor:
+            raise SecAggAbort(
+                f"only {len(survivors)} clients sent masked input; the survivor floor is "
+                f"{cfg.survivor_floor}: the round is aborted and no sum is released")
+        if not cfg.complete_graph:
+            perm = _ring_permutation(len(self.ids), cfg.graph_seed)
+            pos = np.empty(len(self.ids), dtype=np.int64)
+            pos[perm] = np.arange(len(self.ids))
+            dense = np.fromiter(map(self._dense.__getitem__, survivors), dtype=np.int64,
+                                count=len(survivors))
+            if not _connected_on_ring(pos[dense], len(self.ids), int(cfg.neighbour_degree)):  # type: ignore[arg-type]
+                raise SecAggAbort("the survivors are disconnected in the neighbour graph: the "
+                                  "round is aborted (the clients would refuse to unmask)")
         self._request = UnmaskingRequest(survivors, frozenset(self._u1 - survivors))
         return self._request
+
+    # ---------------------------------------------------------------- unmasking
+    def _gather(self, responses: Sequence[UnmaskingResponse]) -> tuple[_Shares, _Shares]:
+        """All shares of valid responses, checked at once; others rejected."""
+        req = self._request
+        assert req is not None
+        s, d = req.survivors, req.dropped
+        hmax = self.config.holders_per_client
+        by_client: dict[int, Any] = {}
+        twice: set[int] = set()
+        for r in responses:
+            u = getattr(r, "client_id", None)
+            if not _is_int(u) or int(u) not in s:
+                if _is_int(u) and int(u) in self._idset:
+                    self._reject(u, "unmasking: not a survivor")
+                continue
+            u = int(u)
+            if u in by_client or u in twice:
+                twice.add(u)
+                by_client.pop(u, None)
+                self._reject(u, "unmasking: answered twice")
+                continue
+            by_client[u] = r
+        b, k = _Shares(1), _Shares(2)
+        for u, r in by_client.items():
+            bmap, kmap = getattr(r, "self_mask_shares", None), getattr(r, "key_shares", None)
+            if not isinstance(bmap, Mapping) or not isinstance(kmap, Mapping):
+                self._reject(u, "unmasking: shares must be mappings")
+                continue
+            if bmap.keys() & kmap.keys():
+                self._reject(u, "unmasking: both kinds of share for one client")
+                continue
+            if not bmap.keys() <= s:
+                self._reject(u, "unmasking: self-mask share of a client that is not a survivor")
+                continue
+            if not kmap.keys() <= d:
+                self._reject(u, "unmasking: key share of a client that is not dropped")
+                continue
+            reason = b.add(u, bmap, hmax) or k.add(u, kmap, hmax)
+            if reason:
+                b.drop_last(u)
+                k.drop_last(u)
+                self._reject(u, reason)
+        bad: set[int] = set()
+        for table in (b, k):
+            for u, reason in table.check(self._dense, self._H).items():
+                self._reject(self.ids[u], reason)
+                bad.add(u)
+        b.discard(bad)  # a response with one bad share is ignored as a whole
+        k.discard(bad)
+        return b, k
+
+    def _recover(self, owner: int, pts: list[tuple[Any, ...]], verify: Any, kind: str,
+                 trust_consistent: bool = False) -> list[int]:
+        """Secrets of one owner from its shares ``(index, holder, y...)``.
+
+        The t lowest indices first; if their secret fails ``verify`` (commitment or
+        public key), Berlekamp-Welch decoding around up to ``(m - t) // 2`` bad shares,
+        whose holders are recorded as rejected.  ``trust_consistent``: if all m > t
+        shares lie on one polynomial whose secret still fails ``verify``, the owner's
+        own check value is what is wrong -- accept that secret and reject the owner.
+        """
+        t = self.config.threshold
+        if len(pts) < t:
+            raise SecAggAbort(f"too few responding holders to remove a {kind}: round aborted")
+        pts = sorted(pts)
+        n_sec = len(pts[0]) - 2
+        first = pts[:t]
+        lam = _lagrange_at_zero(tuple(p[0] for p in first))
+        cand = [sum(la * p[2 + j] for la, p in zip(lam, first, strict=True)) % SHAMIR_PRIME
+                for j in range(n_sec)]
+        if verify(cand):
+            return cand
+        polys = [_berlekamp_welch([(p[0], p[2 + j]) for p in pts], t) for j in range(n_sec)]
+        if all(poly is not None for poly in polys):
+            decoded = [poly[0] for poly in polys]  # type: ignore[index]
+            bad = [p for p in pts if any(_poly_eval(poly, p[0]) != p[2 + j]  # type: ignore[arg-type]
+                                         for j, poly in enumerate(polys))]
+            if verify(decoded):
+                for p in bad:
+                    self._reject(p[1], "unmasking: share inconsistent with the verified "
+                                       "secret (bad at this holder or at its dealer)")
+                return decoded
+            if trust_consistent and not bad and len(pts) > t:
+                self._reject(owner, "share_keys: commitment does not match the client's shares")
+                return decoded
+        elif trust_consistent and len(pts) > t:  # too few shares for decoding: all must agree
+            polys = [_poly_through([(p[0], p[2 + j]) for p in first]) for j in range(n_sec)]
+            if all(_poly_eval(poly, p[0]) == p[2 + j] for p in pts
+                   for j, poly in enumerate(polys)):
+                self._reject(owner, "share_keys: commitment does not match the client's shares")
+                return [poly[0] for poly in polys]
+        raise SecAggAbort(f"no consistent set of t shares to remove a {kind}: round aborted")
+
+    def _secrets(self, table: _Shares, owners: frozenset[int], verify: Any, kind: str,
+                 trust_consistent: bool = False) -> dict[int, list[int]]:
+        """owner -> its secrets, for every owner (abort if one has fewer than t shares)."""
+        t = self.config.threshold
+        out: dict[int, list[int]] = {}
+        p = SHAMIR_PRIME
+        mul = operator.mul
+        for o, idx, rows, holders in table.groups():
+            owner = self.ids[o]
+            if len(idx) < t:
+                break
+            lam = _lagrange_at_zero(tuple(idx[:t]))
+            cand = [sum(map(mul, lam, table.values(rows[:t], j))) % p for j in range(table.width)]
+            if verify(owner, cand):
+                out[owner] = cand
+                continue
+            pts = [(i, self.ids[h], *ys) for i, h, ys in
+                   zip(idx, holders, zip(*(table.values(rows, j) for j in range(table.width)),
+                                         strict=True), strict=True)]
+            out[owner] = self._recover(owner, pts, lambda c, owner=owner: verify(owner, c), kind,
+                                       trust_consistent)
+        if len(out) != len(owners):
+            raise SecAggAbort(f"too few responding holders to remove a {kind}: round aborted")
+        return out
 
     def finalize(self, responses: Sequence[UnmaskingResponse]) -> SecAggResult:
         """Round 3: reconstruct self masks (survivors) and mask keys (dropped); output the sum."""
@@ -557,61 +1592,170 @@ class SecAggServer:
             raise RuntimeError("collect_masked_inputs must run before finalize")
         cfg = self.config
         req = self._request
-        t = cfg.threshold
-        resp = [r for r in responses if r.client_id in req.survivors]
-        b_shares: dict[int, list[tuple[int, bytes]]] = {u: [] for u in req.survivors}
-        k_shares: dict[int, list[tuple[int, bytes, bytes]]] = {u: [] for u in req.dropped}
-        for r in resp:
-            for owner, sh in r.self_mask_shares.items():
-                if owner in b_shares:
-                    b_shares[owner].append(sh)
-            for owner, ksh in r.key_shares.items():
-                if owner in k_shares:
-                    k_shares[owner].append(ksh)
-        mm = np.uint64(cfg.modulus_mask)
-        total = np.zeros(cfg.vector_length, dtype=np.uint64)
-        for y in self._masked.values():
-            total = total + y
+        d, mmask = cfg.vector_length, cfg.modulus_mask
+        b_tab, k_tab = self._gather(responses)
+        total = np.stack(list(self._masked.values())).sum(axis=0, dtype=np.uint64)
         clock = time.perf_counter()
-        for shares in b_shares.values():
-            if len(shares) < t:
-                raise SecAggAbort(
-                    "too few responding holders to remove a survivor's self mask: round aborted"
-                )
-            b_u = Shamir.combine(shares[:t])
-            total = total - prg_words(b_u, cfg.vector_length, cfg.modulus_mask)
+        commitments, round_id = self._commitments, cfg.round_id
+
+        def check_b(u: int, c: list[int]) -> bool:
+            commit = commitments.get(u, b"")
+            return c[0] < 1 << 128 and (not commit or self_mask_commitment(
+                round_id, u, c[0].to_bytes(16, "little")) == commit)
+
+        b_secrets = self._secrets(b_tab, req.survivors, check_b, "survivor's self mask",
+                                  trust_consistent=True)
+        if any(c[0] >= 1 << 128 for c in b_secrets.values()):
+            raise SecAggAbort("no consistent set of t shares to remove a survivor's self mask: "
+                              "round aborted")
+        masks = [prg_words(c[0].to_bytes(16, "little"), d, mmask) for c in b_secrets.values()]
+        total = total - np.stack(masks).sum(axis=0, dtype=np.uint64)
         t_self = time.perf_counter() - clock
         clock = time.perf_counter()
-        for u, kshares in k_shares.items():
-            if len(kshares) < t:
-                raise SecAggAbort(
-                    "too few responding holders to remove a dropped client's masks: round aborted"
-                )
-            sk = Shamir.combine([(i, a) for i, a, _ in kshares[:t]]) + Shamir.combine(
-                [(i, b) for i, _, b in kshares[:t]]
-            )
-            s_sk_u = X25519PrivateKey.from_private_bytes(sk)
-            for v in self.neighbours[u]:
-                if v not in req.survivors:
-                    continue
-                peer = X25519PublicKey.from_public_bytes(self._roster[v].s_pk)
-                seed = _hkdf(s_sk_u.exchange(peer), _pair_info("pairwise", cfg.round_id, u, v))
-                p = prg_words(seed, cfg.vector_length, cfg.modulus_mask)
-                # survivor v added +p if v < u, else -p: undo it
-                total = total - p if v < u else total + p
+        roster = self._roster
+
+        def check_s(u: int, c: list[int]) -> bool:
+            if c[0] >= 1 << 128 or c[1] >= 1 << 128:
+                return False
+            sk = X25519PrivateKey.from_private_bytes(
+                c[0].to_bytes(16, "little") + c[1].to_bytes(16, "little"))
+            return _raw(sk.public_key()) == roster[u].s_pk
+
+        if req.dropped:
+            k_secrets = self._secrets(k_tab, req.dropped, check_s, "dropped client's masks")
+            peers: dict[int, X25519PublicKey] = {}
+            plus, minus = [], []
+            for u, (lo, hi) in k_secrets.items():
+                s_sk_u = X25519PrivateKey.from_private_bytes(
+                    lo.to_bytes(16, "little") + hi.to_bytes(16, "little"))
+                for v in self.neighbours[u]:
+                    if v not in req.survivors:
+                        continue
+                    peer = peers.get(v)
+                    if peer is None:
+                        peer = peers[v] = X25519PublicKey.from_public_bytes(roster[v].s_pk)
+                    seed = _hkdf(s_sk_u.exchange(peer), _pair_info("pairwise", cfg.round_id, u, v))
+                    # survivor v added +p if v < u, else -p: undo it
+                    (minus if v < u else plus).append(prg_words(seed, d, mmask))
+            for book, sign in ((plus, 1), (minus, -1)):
+                if book:
+                    part = np.stack(book).sum(axis=0, dtype=np.uint64)
+                    total = total + part if sign > 0 else total - part
         t_drop = time.perf_counter() - clock
         return SecAggResult(
-            sum_quantised=total & mm,
+            sum_quantised=total & np.uint64(mmask),
             contributors=len(req.survivors),
             survivors=tuple(sorted(req.survivors)),
             dropped=tuple(sorted(req.dropped)),
             server_seconds={"unmasking.self_masks": t_self, "unmasking.dropout_recovery": t_drop},
+            rejected=dict(self._rejected),
         )
 
     @property
     def received_masked_inputs(self) -> dict[int, np.ndarray]:
         """What the server saw in round 2 (for audits and tests)."""
         return dict(self._masked)
+
+
+class _Shares:
+    """Unmasking shares of one kind, as flat arrays: owner (dense), share index, holder
+    (dense) and ``width`` 17-byte values per share (1: self-mask seed; 2: key halves)."""
+
+    def __init__(self, width: int) -> None:
+        self.width = width
+        self.owner: list[int] = []
+        self.index: list[int] = []
+        self.holder: list[int] = []
+        self.blobs: list[list[bytes]] = [[] for _ in range(width)]
+        self._last: dict[int, int] = {}  # holder id -> number of shares it added last
+
+    def add(self, u: int, shares: Mapping[int, Any], hmax: int) -> str:
+        """Append holder ``u``'s shares after structural checks; "" or the broken rule."""
+        vals = list(shares.values())
+        if not vals:
+            self._last[u] = 0
+            return ""
+        if set(map(type, vals)) != {tuple} or set(map(len, vals)) != {1 + self.width}:
+            return "unmasking: malformed share"
+        idx = [v[0] for v in vals]
+        if set(map(type, idx)) != {int} or min(idx) < 1 or max(idx) > hmax:
+            return "unmasking: share with a wrong index"
+        cols = [[v[1 + j] for v in vals] for j in range(self.width)]
+        for col in cols:
+            if set(map(type, col)) != {bytes} or set(map(len, col)) != {_SHARE_BYTES}:
+                return f"unmasking: share must be {_SHARE_BYTES} bytes below the field prime"
+        self.owner.extend(shares.keys())
+        self.index.extend(idx)
+        self.holder.extend([u] * len(vals))
+        for j in range(self.width):
+            self.blobs[j].append(b"".join(cols[j]))
+        self._last[u] = len(vals)
+        return ""
+
+    def drop_last(self, u: int) -> None:
+        """Undo the last :meth:`add` of holder ``u`` (its response was rejected)."""
+        m = self._last.pop(u, 0)
+        if m and self.holder[-m:] == [u] * m:
+            del self.owner[-m:], self.index[-m:], self.holder[-m:]
+            for j in range(self.width):
+                self.blobs[j].pop()
+
+    def check(self, dense: dict[int, int], holders: np.ndarray | None) -> dict[int, str]:
+        """Vectorised checks of every share; returns dense holder -> reason for failures."""
+        self.O = np.fromiter(map(dense.__getitem__, self.owner), dtype=np.int64,
+                             count=len(self.owner))
+        self.H = np.fromiter(map(dense.__getitem__, self.holder), dtype=np.int64,
+                             count=len(self.holder))
+        self.I = np.asarray(self.index, dtype=np.int64)
+        self.raw = [np.frombuffer(b"".join(col), dtype=np.uint8).reshape(-1, _SHARE_BYTES)
+                    for col in self.blobs]
+        if holders is None:  # complete graph: holder h is every owner's holder h + 1
+            wrong = self.I != self.H + 1
+        else:
+            wrong = holders[self.O, self.I - 1] != self.H
+        over = np.zeros(len(self.I), dtype=bool)
+        for raw in self.raw:  # v >= 2^130 - 5 <=> top byte > 3, or == 3 and v exact
+            top = raw[:, 16]
+            over |= top > 3
+            for r in np.flatnonzero(top == 3).tolist():
+                over[r] |= int.from_bytes(raw[r].tobytes(), "little") >= SHAMIR_PRIME
+        out: dict[int, str] = {}
+        for r in np.flatnonzero(wrong | over).tolist():
+            h = int(self.H[r])
+            if over[r]:
+                out.setdefault(h, f"unmasking: share must be {_SHARE_BYTES} bytes below the "
+                                  "field prime")
+            elif holders is not None and not np.any(holders[self.O[r]] == h):
+                out.setdefault(h, "unmasking: share of a client this one does not hold")
+            else:
+                out.setdefault(h, "unmasking: share with a wrong index")
+        return out
+
+    def discard(self, bad_holders: set[int]) -> None:
+        """Drop every share of these (dense) holders (after :meth:`check`)."""
+        if not bad_holders:
+            return
+        keep = ~np.isin(self.H, np.fromiter(bad_holders, dtype=np.int64, count=len(bad_holders)))
+        self.O, self.I, self.H = self.O[keep], self.I[keep], self.H[keep]
+        self.raw = [raw[keep] for raw in self.raw]
+
+    def groups(self) -> Any:
+        """Per owner (dense): share indices ascending, their rows, their holders (dense)."""
+        order = np.lexsort((self.I, self.O))
+        owners = self.O[order]
+        if not len(owners):
+            return
+        starts = np.flatnonzero(np.r_[True, owners[1:] != owners[:-1]])
+        ends = np.r_[starts[1:], len(owners)]
+        idx, holders, rows = self.I[order].tolist(), self.H[order].tolist(), order.tolist()
+        self._bytes = [memoryview(raw.tobytes()) for raw in self.raw]
+        for st, en, o in zip(starts.tolist(), ends.tolist(), owners[starts].tolist(), strict=True):
+            yield o, idx[st:en], rows[st:en], holders[st:en]
+
+    def values(self, rows: Sequence[int], j: int) -> list[int]:
+        """The field elements of column j at these rows."""
+        mv, w = self._bytes[j], _SHARE_BYTES
+        return [int.from_bytes(mv[r * w:(r + 1) * w], "little") for r in rows]
 
 
 # --------------------------------------------------------------------------
@@ -633,7 +1777,8 @@ def run_secure_aggregation(
     Args:
         inputs: client id -> quantised uint64 vector ``(vector_length,)`` in [0, Q]
             (use :class:`FixedPointQuantiser` to produce them on the device).
-        config: round parameters (``n_clients == len(inputs)``).
+        config: round parameters (``n_clients == len(inputs)``); ``client_ids`` is
+            filled in from ``inputs`` when the config leaves it None.
         drop_before_share_keys / drop_before_masked_input / drop_before_unmasking:
             clients that go silent before that step.
         server_view: if given, filled with the masked vectors the server received.
@@ -642,9 +1787,12 @@ def run_secure_aggregation(
         :class:`SecAggResult` with per-phase client and server wall times.
 
     Raises:
-        SecAggAbort: fewer than t clients remain at any step.
+        SecAggAbort: fewer than t clients remain at any step, or a client refuses the
+            unmasking request.
     """
     ids = sorted(int(k) for k in inputs)
+    if config.client_ids is None:
+        config = SecAggConfig.model_validate({**config.model_dump(), "client_ids": tuple(ids)})
     t0 = time.perf_counter
     cs: dict[str, float] = {}
     ss: dict[str, float] = {}

@@ -62,6 +62,7 @@ __all__ = [
     "AggregatedVector",
     "aggregate_vector_sum",
     "BelowCohortFloor",
+    "count_band",
     "MetricSpec",
     "ParticipantBand",
     "RegionalReport",
@@ -187,6 +188,19 @@ def participant_band(n: int, min_cohort: int) -> ParticipantBand:
     if n < 4 * min_cohort:
         return ParticipantBand.DOUBLE_TO_UNDER_FOURFOLD
     return ParticipantBand.FOURFOLD_OR_MORE
+
+
+def count_band(n: int, min_cohort: int) -> str:
+    """Published band of a count of clients (a cohort's members, flagged clients...):
+    ``none`` (0), ``below_minimum`` (1 to m - 1) or the :class:`ParticipantBand` value;
+    never the count itself."""
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+        raise ValueError("n: must be an integer >= 0")
+    if n == 0:
+        return "none"
+    if n < min_cohort:
+        return "below_minimum"
+    return participant_band(int(n), min_cohort).value
 
 
 def participant_band_lower_edge(band: ParticipantBand | str, min_cohort: int) -> int:

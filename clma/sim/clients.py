@@ -181,10 +181,15 @@ class SimulatedClients:
             if c not in self.learners:
                 out.failed[c] = "not a client of this transport"
                 continue
-            history = self.store.load(c)
-            out.ok[c] = train_on_device(c, cohort, request.models[cohort], request.settings,
-                                        request.round, self.learners[c], history)
-            self.store.save(c, history)
+            try:  # one device's failure is its own (the contract: never raise for one)
+                history = self.store.load(c)
+                out.ok[c] = train_on_device(c, cohort, request.models[cohort],
+                                            request.settings, request.round,
+                                            self.learners[c], history)
+                self.store.save(c, history)
+            except Exception as exc:
+                out.ok.pop(c, None)
+                out.failed[c] = f"device error: {type(exc).__name__}"
         return out
 
     def _dropped_at(self, round_number: int, client_id: int, stage: str) -> bool:
@@ -199,12 +204,15 @@ class SimulatedClients:
         for c in members:
             if c not in self.learners:
                 continue
-            proba, labels = self.learners[c].predict(
-                request.models[request.assignments[c]], request.round)
-            q = quantised_report(proba, labels, request.layout, request.quantisation_levels)
-            dev = DeviceSecAgg(c, request.round)
-            self._secagg[c] = dev
-            out.ok[c] = dev.advertise(q, request.sessions_of(c))
+            try:
+                proba, labels = self.learners[c].predict(
+                    request.models[request.assignments[c]], request.round)
+                q = quantised_report(proba, labels, request.layout, request.quantisation_levels)
+                dev = DeviceSecAgg(c, request.round)
+                self._secagg[c] = dev
+                out.ok[c] = dev.advertise(q, request.sessions_of(c))
+            except Exception as exc:
+                out.failed[c] = f"device error: {type(exc).__name__}"
         return out
 
     def _step(self, round_number: int, requests: Mapping[int, Mapping[str, Any]], stage: str,
@@ -218,7 +226,10 @@ class SimulatedClients:
             if self._dropped_at(round_number, c, stage):
                 out.failed[c] = "dropped out (simulated)"
                 continue
-            out.ok[c] = getattr(dev, call)(req)
+            try:  # e.g. SecAggAbort: a device refuses to unmask a session twice
+                out.ok[c] = getattr(dev, call)(req)
+            except Exception as exc:
+                out.failed[c] = f"device error: {type(exc).__name__}"
         return out
 
     def secagg_share_keys(self, round: int, requests: Mapping[int, Mapping[str, ShareKeysRequest]]  # noqa: A002

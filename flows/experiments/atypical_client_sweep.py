@@ -213,14 +213,20 @@ def run_cell(regime_name: str, alpha: float, perturbation: str, seed: int, round
     from sklearn.metrics import roc_auc_score
 
     from clma.divergence import RepresentationScorer, robust_z
+    from clma.engine import TrainRequest, TrainSettings
     from clma.params import AllParams, vector_to_model
     from clma.rounds import fedavg
-    from clma.sim.federation import build_federation, train_clients
+    from clma.sim.clients import SimulatedClients
+    from clma.sim.federation import build_federation
 
     torch.set_num_threads(1)
     regime = REGIMES[regime_name]
     cfg = make_config(regime_name, alpha, perturbation, seed, rounds, clients, shifted)
     fed = build_federation(cfg)
+    devices = SimulatedClients(fed)
+    settings = TrainSettings(cfg.training.local_epochs, cfg.training.learning_rate,
+                             cfg.training.batch_size, 0.5)
+    start = fed.initial_model.copy()
     scorer = RepresentationScorer(_probe(regime, fed.probe_x, seed), beta=beta)
 
     def module(vec: np.ndarray):
@@ -229,16 +235,11 @@ def run_cell(regime_name: str, alpha: float, perturbation: str, seed: int, round
     zs: dict[str, list[np.ndarray]] = {s: [] for s in SCORES}
     spikes = 0
     for rnd in range(1, rounds + 1):
-        fed.inject_drift(rnd)
         ids = list(fed.client_ids)
-        results = train_clients([fed.clients[c] for c in ids], fed.models_for(ids),
-                                {c: 0 for c in ids}, fed.spec, cfg.training, 0.5, seed, rnd)
-        for res in results:
-            fed.clients[res.update.client_id].detector_state = res.detector_state
-        ups = [res.update for res in results]
+        replies = devices.train(TrainRequest(rnd, {c: 0 for c in ids}, {0: start}, settings))
+        ups = [replies.ok[c] for c in sorted(replies.ok)]
         if [u.client_id for u in ups] != list(range(clients)):
             raise RuntimeError("sweep expects every client every round, in id order")
-        start = fed.cohort_models[0]
         aggregate = fedavg([u.params for u in ups], [u.n_samples for u in ups])
         updates = np.stack([u.params - start for u in ups])
         norms = np.linalg.norm(updates, axis=1)
@@ -252,7 +253,7 @@ def run_cell(regime_name: str, alpha: float, perturbation: str, seed: int, round
         for name, values in raw.items():
             zs[name].append(robust_z(values))
         zs["representation_cumulative_z"].append(np.mean(zs["representation"], axis=0))
-        fed.cohort_models = {0: aggregate}
+        start = aggregate
 
     out = []
     for name in SCORES:

@@ -23,7 +23,7 @@ Outputs in ``--out``: ``results.csv`` / ``results.md`` / ``results.json`` (one r
 method, mean, sample standard deviation and min/max over the seeds), ``per_seed.csv``
 (one row per method and seed), and ``seed<k>/<method>/summary.json`` for every run.
 
-Reported per run, from the run's ``summary["ground_truth"]`` (simulation truth, never a
+Reported per run, from the run's ``summary["sim_truth"]`` (simulation truth, never a
 private release): stationary clients' mean accuracy at the final round and averaged over the
 rounds after the first drift event (rounds 4-10 in the default scenario), drifted clients'
 mean accuracy at the final round, and whether no cohort ever held clients of two different
@@ -180,16 +180,17 @@ class MethodRun:
 def method_run_from_summary(
     summary: Mapping[str, Any], method: str, seed: int, rounds: tuple[int, int]
 ) -> MethodRun:
-    """Extract a :class:`MethodRun` from a ``clma.summary/1`` document.
+    """Extract a :class:`MethodRun` from a ``clma.summary/2`` document.
 
     ``stationary_post_drift_accuracy`` is the plain mean of ``per_round`` stationary
     accuracies over rounds ``rounds[0]..rounds[1]`` (inclusive), skipping rounds where no
     stationary client was evaluated; None if there is none. Raises ValueError if the
-    summary lacks its ``ground_truth`` section.
+    summary lacks its ``sim_truth`` section.
     """
-    gt = summary.get("ground_truth")
+    gt = summary.get("sim_truth")
     if not isinstance(gt, Mapping):
-        raise ValueError("summary: no 'ground_truth' section (not a clma.summary/1 document)")
+        raise ValueError("summary: no 'sim_truth' section (not a clma.summary/2 document "
+                         "of a simulation)")
     lo, hi = rounds
     window = [
         float(r["stationary_accuracy"])

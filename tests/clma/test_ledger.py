@@ -3,6 +3,7 @@ parallel composition across regions, borrowing and reporting."""
 
 from __future__ import annotations
 
+import math
 import multiprocessing as mp
 import os
 import sqlite3
@@ -16,6 +17,7 @@ from dp_accounting.pld import PLDAccountant
 from dp_accounting.rdp import RdpAccountant
 
 from clma.budget import (
+    AccountingError,
     BorrowApproval,
     BorrowRefusal,
     BorrowRequest,
@@ -32,7 +34,7 @@ from clma.budget import (
 )
 
 G, R, T = LineItem.EVALUATION_GLOBAL, LineItem.EVALUATION_REGIONAL, LineItem.TRAINING
-POLICY_TEXT = resources.files("clma").joinpath("policy", "privacy_policy_v1.toml").read_text()
+POLICY_TEXT = resources.files("clma").joinpath("policy", "privacy_policy_v2.toml").read_text()
 LAP = MechanismEvent.laplace
 
 
@@ -239,34 +241,31 @@ def test_concurrent_borrow_approvals_borrow_once(tmp_path):
 # ------------------------------------------------------------------ composition
 
 
-def test_gaussian_training_composition_matches_dp_accounting(ledger):
+def test_training_charge_is_the_sampled_gaussian_accounted_by_rdp_under_replace_one(ledger):
     for rnd in range(10):
-        with ledger.charge_training(rnd, 4.0) as res:
+        with ledger.charge_training(rnd, 1.5, population_size=60, sample_size=15) as res:
             assert res.status is ReservationStatus.GRANTED
+    (entry, *_) = ledger.entries()
+    assert '"population_size":60' in entry["events"] and '"sample_size":15' in entry["events"]
     spent = ledger.spent(0, T)
-    pld = PLDAccountant(value_discretization_interval=1e-3)
-    pld.compose(dp_accounting.GaussianDpEvent(4.0), 10)
-    rdp = RdpAccountant()
-    rdp.compose(dp_accounting.GaussianDpEvent(4.0), 10)
-    expected_pld, expected_rdp = pld.get_epsilon(7e-6), rdp.get_epsilon(7e-6)
-    assert spent.method == "pld" and spent.delta == pytest.approx(7e-6, rel=1e-12)
-    assert spent.epsilon == pytest.approx(expected_pld, rel=1e-9)
-    assert spent.epsilon_rdp == pytest.approx(expected_rdp, rel=1e-9)
-    # PLD is the tighter bound; RDP is within 10 % of it here
-    assert expected_pld < expected_rdp < 1.10 * expected_pld
-    # a finer PLD discretisation agrees to 1e-4
-    fine = PLDAccountant(value_discretization_interval=1e-4)
-    fine.compose(dp_accounting.GaussianDpEvent(4.0), 10)
-    assert spent.epsilon == pytest.approx(fine.get_epsilon(7e-6), abs=1e-4)
+    rdp = RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE)
+    rdp.compose(dp_accounting.SampledWithoutReplacementDpEvent(
+        60, 15, dp_accounting.GaussianDpEvent(1.5)), 10)
+    assert spent.method == "rdp" and spent.delta == pytest.approx(7e-6, rel=1e-12)
+    assert spent.epsilon == pytest.approx(rdp.get_epsilon(7e-6), rel=1e-12)
+    assert spent.adjacency == "replace_one"
+    row = ledger.table(0)[0]
+    assert (row.line_item, row.composition, row.adjacency) == ("training", "rdp", "replace_one")
 
 
-def test_subsampled_gaussian_and_mixed_line(ledger):
-    for rnd in range(5):
-        _charge(ledger, rnd, "training", T, [MechanismEvent.gaussian(1.5, 0.2)])
-    pld = PLDAccountant(value_discretization_interval=1e-3)
-    pld.compose(dp_accounting.PoissonSampledDpEvent(0.2, dp_accounting.GaussianDpEvent(1.5)), 5)
-    assert ledger.spent(0, T).epsilon == pytest.approx(pld.get_epsilon(7e-6), rel=1e-9)
-    # a line mixing Laplace and Gaussian releases is composed by PLD, not summed
+def test_poisson_sampled_charges_are_refused_and_mixed_lines_compose_by_pld(ledger):
+    # the old DP-FedAvg charge (Poisson sampling) is not charged any more ...
+    poisson = MechanismEvent.model_validate({"mechanism": "gaussian", "epsilon": None,
+                                             "noise_multiplier": 1.5, "sampling_probability": 0.2})
+    with pytest.raises(LedgerError, match="gaussian_sampled_without_replacement"):
+        ledger.reserve(0, "training", T, [poisson])
+    assert ledger.entries() == []
+    # a line mixing Laplace and unsampled Gaussian releases is composed by PLD, not summed
     _charge(ledger, 0, "g.a", G, [LAP(0.25)])
     _charge(ledger, 0, "g.b", G, [MechanismEvent.gaussian(8.0)])
     mixed = PLDAccountant(value_discretization_interval=1e-3)
@@ -274,6 +273,30 @@ def test_subsampled_gaussian_and_mixed_line(ledger):
     mixed.compose(dp_accounting.GaussianDpEvent(8.0))
     got = ledger.spent(0, G)
     assert got.method == "pld" and got.epsilon == pytest.approx(mixed.get_epsilon(1.5e-6), rel=1e-9)
+    # ... and a finer PLD discretisation agrees to 1e-3
+    fine = PLDAccountant(value_discretization_interval=1e-4)
+    fine.compose(dp_accounting.LaplaceDpEvent(4.0))
+    fine.compose(dp_accounting.GaussianDpEvent(8.0))
+    assert got.epsilon == pytest.approx(fine.get_epsilon(1.5e-6), abs=1e-3)
+
+
+def test_a_ledger_with_old_poisson_charges_opens_but_does_not_compose_them(tmp_path):
+    """Ledgers written before replace-one accounting still open and list their charges; the
+    Poisson-sampled training charges they hold cannot be composed (no valid bound)."""
+    led = PrivacyLedger(tmp_path / "s")
+    con = sqlite3.connect(led.path)
+    con.execute(
+        "INSERT INTO charges (epoch, round, release, line, status, events, line_epsilon_after,"
+        " policy_version, reserved_at) VALUES (0, 0, 'training', 'training', 'committed', ?,"
+        " 0.5, 'clma-privacy-policy-v1', 'then')",
+        ('[[null,{"epsilon":null,"mechanism":"gaussian","noise_multiplier":1.5,'
+         '"sampling_probability":0.2}]]',))
+    con.commit()
+    con.close()
+    reopened = PrivacyLedger(tmp_path / "s")
+    assert [e["release"] for e in reopened.entries()] == ["training"]
+    with pytest.raises(AccountingError, match="Poisson"):
+        reopened.spent(0, T)
 
 
 def test_pure_epsilon_line_is_the_exact_running_sum(ledger):
@@ -351,7 +374,7 @@ def test_borrow_once_per_epoch_with_an_allowed_approver(ledger):
                       BorrowApproval(approver="privacy-officer", approve=True, reason="alerting"),
                       ledger.policy, ledger)
     assert d.approved and d.refusal is None and not d.training_frozen
-    assert d.policy_version == "clma-privacy-policy-v1"
+    assert d.policy_version == "clma-privacy-policy-v2"
     assert _charge(ledger, 1, "g.more.after", G, [LAP(0.5)]).status is ReservationStatus.GRANTED
     rows = {(r.epoch, r.line_item): r for r in ledger.table()}
     assert rows[(0, "evaluation.global")].cap_epsilon == 2.0
@@ -374,7 +397,7 @@ def test_borrow_once_per_epoch_with_an_allowed_approver(ledger):
 
 def test_non_allow_listed_approver_refused_recorded_and_training_backs_off(ledger):
     _exhaust_global(ledger)
-    with ledger.charge_training(0, 4.0) as res:
+    with ledger.charge_training(0, 4.0, population_size=60, sample_size=60) as res:
         assert res.status is ReservationStatus.GRANTED
     d = decide_borrow(BorrowRequest(epoch=0, line=G, epsilon=0.5),
                       BorrowApproval(approver="mallory", approve=True, reason="trust me"),
@@ -384,14 +407,14 @@ def test_non_allow_listed_approver_refused_recorded_and_training_backs_off(ledge
     assert (b["approved"], b["refusal"], b["approver"], b["approver_reason"]) == (
         0, "not_on_allow_list", "mallory", "trust me")
     # training backs off for the rest of the epoch ...
-    with ledger.charge_training(1, 4.0) as res:
+    with ledger.charge_training(1, 4.0, population_size=60, sample_size=60) as res:
         assert res.refused and res.refusal == "training_frozen"
     assert [r for r in ledger.table(0) if r.line_item == "training"][0].training_frozen
     # ... while evaluation keeps its reserved allocation (regional line untouched)
     assert _regional(ledger, 1, 0.5, 0.5).status is ReservationStatus.GRANTED
     assert ledger.spent(0, G).epsilon == 1.5  # no borrowed budget appeared
     # the next epoch trains again
-    with ledger.charge_training(10, 4.0) as res:
+    with ledger.charge_training(10, 4.0, population_size=60, sample_size=60) as res:
         assert res.status is ReservationStatus.GRANTED
 
 
@@ -422,7 +445,7 @@ def test_borrow_refused_when_the_next_epoch_already_spent_it(ledger):
 
 def test_decide_borrow_requires_the_ledger_policy(tmp_path, ledger):
     other = tmp_path / "other.toml"
-    other.write_text(POLICY_TEXT.replace('"clma-privacy-policy-v1"', '"clma-privacy-policy-v2"'))
+    other.write_text(POLICY_TEXT.replace('"clma-privacy-policy-v2"', '"clma-privacy-policy-v3"'))
     with pytest.raises(PolicyError, match="policy_version"):
         decide_borrow(BorrowRequest(epoch=0, line=G, epsilon=0.1), None, load_policy(other), ledger)
 
@@ -436,28 +459,28 @@ def test_policy_version_recorded_everywhere_and_caps_fixed_per_epoch(tmp_path):
     _charge(led, 0, "g", G, [LAP(0.5)])
     led.freeze_training(0, "manual")
     decide_borrow(BorrowRequest(epoch=0, line=G, epsilon=0.1), None, led.policy, led)
-    v2_file = tmp_path / "v2.toml"
-    v2_file.write_text(POLICY_TEXT.replace('"clma-privacy-policy-v1"', '"clma-privacy-policy-v2"')
+    v3_file = tmp_path / "v3.toml"
+    v3_file.write_text(POLICY_TEXT.replace('"clma-privacy-policy-v2"', '"clma-privacy-policy-v3"')
                        .replace("epsilon_per_client_per_epoch = 10.0",
                                 "epsilon_per_client_per_epoch = 20.0"))
-    led2 = PrivacyLedger(path, load_policy(v2_file))
+    led2 = PrivacyLedger(path, load_policy(v3_file))
     _charge(led2, 20, "g", G, [LAP(0.5)])
     assert [e["policy_version"] for e in led2.entries()] == [
-        "clma-privacy-policy-v1", "clma-privacy-policy-v2"]
+        "clma-privacy-policy-v2", "clma-privacy-policy-v3"]
     assert all(d["policy_version"] for d in led2.decisions())
     assert {d["kind"] for d in led2.decisions()} >= {
         "policy_opened", "training_frozen", "borrow_refused"}
-    assert [b["policy_version"] for b in led2.borrows()] == ["clma-privacy-policy-v1"]
+    assert [b["policy_version"] for b in led2.borrows()] == ["clma-privacy-policy-v2"]
     rows = {(r.epoch, r.line_item): r for r in led2.table()}
-    # epoch 0 keeps the caps of the policy in force when it started; epoch 2 uses v2
+    # epoch 0 keeps the caps of the policy in force when it started; epoch 2 uses v3
     assert rows[(0, "evaluation.global")].cap_epsilon == 1.5
-    assert rows[(0, "evaluation.global")].policy_version == "clma-privacy-policy-v1"
+    assert rows[(0, "evaluation.global")].policy_version == "clma-privacy-policy-v2"
     assert rows[(2, "evaluation.global")].cap_epsilon == 3.0
-    assert rows[(2, "evaluation.global")].policy_version == "clma-privacy-policy-v2"
+    assert rows[(2, "evaluation.global")].policy_version == "clma-privacy-policy-v3"
 
 
 def test_table_rows_and_columns(ledger):
-    with ledger.charge_training(0, 4.0):
+    with ledger.charge_training(0, 4.0, population_size=60, sample_size=60):
         pass
     _charge(ledger, 0, "g", G, [LAP(0.5)])
     _regional(ledger, 0, 0.25, 0.125)
@@ -466,12 +489,26 @@ def test_table_rows_and_columns(ledger):
         "training", "evaluation", "evaluation.global", "evaluation.regional"]
     tr, ev, g, r = rows
     assert tr.cap_epsilon == 7.0 and tr.remaining_epsilon == pytest.approx(7.0 - tr.spent_epsilon)
-    assert 0.9 < tr.spent_epsilon < 1.0  # one Gaussian round, sigma/clip = 4, delta 7e-6
+    # one DP-FedAvg round, all 60 of 60 clients, z = 4, delta 7e-6: dp-accounting's RDP
+    rdp = RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE)
+    rdp.compose(dp_accounting.SampledWithoutReplacementDpEvent(
+        60, 60, dp_accounting.GaussianDpEvent(4.0)))
+    assert tr.spent_epsilon == pytest.approx(rdp.get_epsilon(7e-6), rel=1e-12)
+    assert 1.0 < tr.spent_epsilon < 1.1
     assert (g.spent_epsilon, r.spent_epsilon, ev.spent_epsilon) == (0.5, 0.25, 0.75)
     assert (ev.cap_epsilon, ev.remaining_epsilon) == (3.0, 2.25)
+    # lifetime spend next to the epoch spend, the same in every row of the epoch
+    total = tr.spent_epsilon + 0.5 + 0.25
+    for x in rows:
+        assert x.lifetime_spent_epsilon == pytest.approx(total, rel=1e-15)
+        assert x.lifetime_spent_delta == pytest.approx(7e-6, rel=1e-12)  # only training has delta
+        assert (x.lifetime_cap_epsilon, x.lifetime_cap_delta) == (50.0, 5e-5)
+        assert x.lifetime_remaining_epsilon == pytest.approx(50.0 - total, rel=1e-15)
+        assert x.adjacency == "replace_one"
     cols = ledger.table_columns(0)
     assert cols["line_item"] == [x.line_item for x in rows]
     assert set(cols) == set(type(rows[0]).model_fields)
+    assert {"lifetime_spent_epsilon", "lifetime_cap_epsilon", "adjacency"} <= set(cols)
     untouched = ledger.table(5)  # an epoch not started yet shows the policy's allocation
     assert [(x.cap_epsilon, x.spent_epsilon) for x in untouched] == [
         (7.0, 0.0), (3.0, 0.0), (1.5, 0.0), (1.5, 0.0)]
@@ -480,3 +517,108 @@ def test_table_rows_and_columns(ledger):
 def test_default_policy_is_used_when_none_given(ledger):
     assert ledger.policy == default_policy()
     assert isinstance(ledger.path, Path)
+
+
+# ------------------------------------------------------------------ lifetime cap
+
+
+def _lifetime_policy(tmp_path, epsilon="12.0", delta="5e-5"):
+    text = (POLICY_TEXT
+            .replace("lifetime_epsilon_per_client = 50.0", f"lifetime_epsilon_per_client = {epsilon}")
+            .replace("lifetime_delta_per_client = 5e-5", f"lifetime_delta_per_client = {delta}")
+            .replace('"clma-privacy-policy-v2"', '"clma-privacy-policy-lifetime-test"'))
+    path = tmp_path / "lifetime.toml"
+    path.write_text(text)
+    return load_policy(path)
+
+
+def test_lifetime_cap_below_at_and_above(tmp_path):
+    # epoch cap 10 (global line 1.5) and lifetime cap 12 = 8 epochs of a full global line
+    led = PrivacyLedger(tmp_path / "s", _lifetime_policy(tmp_path))
+    for epoch in range(7):  # below: 1.5 ... 10.5
+        res = _charge(led, 10 * epoch, "g", G, [LAP(1.5)])
+        assert res.status is ReservationStatus.GRANTED
+        assert res.lifetime_epsilon_after == 1.5 * (epoch + 1)
+    at = _charge(led, 70, "g", G, [LAP(1.5)])  # exactly at the cap: granted
+    assert at.status is ReservationStatus.GRANTED and at.lifetime_epsilon_after == 12.0
+    assert led.lifetime_spent() == (12.0, 0.0) and led.lifetime_remaining() == 0.0
+    above = _charge(led, 80, "g", G, [LAP(0.25)])  # the epoch's own line is untouched
+    assert above.refused and above.refusal == "exceeds_lifetime_cap"
+    assert above.lifetime_epsilon_after == 12.25 and above.line_epsilon_after == 0.25
+    assert led.spent(8, G).epsilon == 0.0 and len(led.entries()) == 8
+    (refusal,) = [d for d in led.decisions() if d["kind"] == "charge_refused"]
+    assert refusal["detail"] == {"line": "evaluation.global", "reason": "exceeds_lifetime_cap",
+                                 "release": "g", "round": 80}
+    # the line cap is checked first: a charge over both caps names the line
+    over_both = _charge(led, 81, "g2", G, [LAP(2.0)])
+    assert over_both.refusal == "exceeds_line_cap"
+    rows = {(r.epoch, r.line_item): r for r in led.table()}
+    assert [rows[(e, "training")].lifetime_spent_epsilon for e in range(9)] == [
+        1.5, 3.0, 4.5, 6.0, 7.5, 9.0, 10.5, 12.0, 12.0]
+    assert rows[(8, "evaluation.global")].lifetime_remaining_epsilon == 0.0
+
+
+def test_lifetime_refusal_persists_after_reopening_and_idempotency_is_unchanged(tmp_path):
+    policy = _lifetime_policy(tmp_path)
+    led = PrivacyLedger(tmp_path / "s", policy)
+    for epoch in range(8):
+        with led.charge(10 * epoch, "g", G, [LAP(1.5)]) as res:
+            res.commit(f"payload-{epoch}")
+    assert _charge(led, 80, "g", G, [LAP(0.5)]).refusal == "exceeds_lifetime_cap"
+    reopened = PrivacyLedger(tmp_path / "s", policy)
+    again = _charge(reopened, 80, "g", G, [LAP(0.5)])  # a re-run of the refused release
+    assert again.refused and again.refusal == "exceeds_lifetime_cap"
+    assert [d["detail"]["reason"] for d in reopened.decisions()
+            if d["kind"] == "charge_refused"] == ["exceeds_lifetime_cap"] * 2
+    assert len(reopened.entries()) == 8  # nothing was written for the refused key
+    # a release committed before the cap was reached still republishes its payload
+    done = _charge(reopened, 70, "g", G, [LAP(1.5)])
+    assert done.already_committed and done.stored_result == "payload-7"
+    # another training or regional charge is refused as well
+    assert _charge(reopened, 85, "r", R, {"north": LAP(0.1)}).refusal == "exceeds_lifetime_cap"
+
+
+def test_lifetime_delta_cap(tmp_path):
+    # lifetime delta = the epoch delta (1e-5): one epoch of Gaussian training (7e-6) fits,
+    # a second does not; pure-epsilon lines spend no delta
+    led = PrivacyLedger(tmp_path / "s", _lifetime_policy(tmp_path, epsilon="1000.0", delta="1e-5"))
+    with led.charge_training(0, 4.0, population_size=60, sample_size=60) as res:
+        assert res.status is ReservationStatus.GRANTED
+    assert led.lifetime_spent()[1] == pytest.approx(7e-6, rel=1e-12)
+    with led.charge_training(10, 4.0, population_size=60, sample_size=60) as res:
+        assert res.refused and res.refusal == "exceeds_lifetime_cap"
+        assert res.lifetime_delta_after == pytest.approx(1.4e-5, rel=1e-12)
+    assert _charge(led, 10, "g", G, [LAP(1.0)]).status is ReservationStatus.GRANTED
+
+
+def test_lifetime_is_the_basic_composition_of_the_epoch_totals(tmp_path):
+    led = PrivacyLedger(tmp_path / "s")  # shipped policy: lifetime cap 50
+    m = {"c1": "north", "c2": "south"}
+    for epoch in range(3):
+        r0 = 10 * epoch
+        with led.charge_training(r0, 3.0, population_size=60, sample_size=20):
+            pass
+        with led.charge_training(r0 + 1, 3.0, population_size=60, sample_size=20):
+            pass
+        _charge(led, r0, "g", G, [LAP(0.5)])
+        _regional(led, r0, 0.75, 0.25, membership=m)  # max over regions: 0.75
+    parts = [led.spent(e, line).epsilon for e in range(3) for line in (T, G, R)]
+    assert led.lifetime_spent()[0] == pytest.approx(math.fsum(parts), rel=1e-15)
+    assert led.spent(0, R).epsilon == 0.75
+    rdp = RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE)
+    rdp.compose(dp_accounting.SampledWithoutReplacementDpEvent(
+        60, 20, dp_accounting.GaussianDpEvent(3.0)), 2)
+    assert led.lifetime_spent()[0] == pytest.approx(3 * (rdp.get_epsilon(7e-6) + 1.25), rel=1e-12)
+    assert led.lifetime_spent()[1] == pytest.approx(3 * 7e-6, rel=1e-12)
+
+
+def test_a_policy_without_lifetime_cap_reports_spend_and_refuses_nothing_for_it(tmp_path):
+    v1 = load_policy("privacy_policy_v1.toml")
+    assert v1.lifetime_cap() is None
+    led = PrivacyLedger(tmp_path / "s", v1)
+    for epoch in range(12):  # 12 epochs x 1.5 = 18, refused by no lifetime cap
+        assert _charge(led, 10 * epoch, "g", G, [LAP(1.5)]).status is ReservationStatus.GRANTED
+    assert led.lifetime_spent()[0] == 18.0 and led.lifetime_remaining() is None
+    row = led.table(11)[0]
+    assert row.lifetime_spent_epsilon == 18.0 and row.lifetime_cap_epsilon is None
+    assert row.lifetime_remaining_epsilon is None

@@ -13,7 +13,6 @@ from clma.privacy.mechanisms import (
     PrivacyParameterError,
     analytic_gaussian_sigma,
     classic_gaussian_sigma,
-    discrete_laplace_sum,
     error_bar,
     gaussian_delta,
     gaussian_rho,
@@ -138,23 +137,9 @@ def test_gaussian_sample_std():
         assert stats.kstest(noisy, stats.norm(scale=1.5).cdf).pvalue > 1e-3
 
 
-@pytest.mark.parametrize("seed", [None, 11])
-def test_discrete_laplace_variance(seed):
-    s = 3.0
-    noisy, source = discrete_laplace_sum(np.zeros(N_DRAWS, dtype=np.int64), s, seed=seed)
-    assert noisy.dtype == np.int64
-    assert source is (NoiseSource.OPENDP if seed is None else NoiseSource.SEEDED_SIMULATION)
-    t = math.exp(-1.0 / s)
-    assert np.var(noisy) == pytest.approx(2 * t / (1 - t) ** 2, rel=0.05)
-    # pmf of the two-sided geometric: P(0) = (1 - t) / (1 + t)
-    assert np.mean(noisy == 0) == pytest.approx((1 - t) / (1 + t), abs=0.015)
-
-
 def test_sample_rejects_non_finite_aggregate():
     with pytest.raises(ValueError, match="finite"):
         sample(float("nan"), 1.0)
-    with pytest.raises(ValueError, match="integer"):
-        discrete_laplace_sum(np.zeros(3), 1.0)
 
 
 def test_module_exports():

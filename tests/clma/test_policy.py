@@ -20,9 +20,11 @@ from clma.budget.policy import (
     load_policy,
 )
 
-POLICY_TEXT = resources.files("clma").joinpath("policy", "privacy_policy_v1.toml").read_text()
-# Pinned on purpose: a change to the policy file must be reviewed and this hash updated.
-PINNED_FILE_SHA256 = "00472d04da1e9e38d379218e0825e0129527d3d511c3f65165d9193aa98e926d"
+POLICY_TEXT = resources.files("clma").joinpath("policy", "privacy_policy_v2.toml").read_text()
+# Pinned on purpose: a change to a policy file must be reviewed and this hash updated.
+PINNED_FILE_SHA256 = "e52c19f816b7fd1768050d4026bb8c0b6868302e0e63677bcc8660a5491e9a06"
+# v1 predates the lifetime cap; it stays, unchanged, for the ledgers and tests that use it.
+PINNED_V1_FILE_SHA256 = "00472d04da1e9e38d379218e0825e0129527d3d511c3f65165d9193aa98e926d"
 
 
 def policy_with(tmp_path: Path, **replace: str):
@@ -39,17 +41,30 @@ def policy_with(tmp_path: Path, **replace: str):
 
 def test_shipped_policy_values_and_hash():
     p = default_policy()
-    assert p.policy_version == "clma-privacy-policy-v1"
+    assert p.policy_version == "clma-privacy-policy-v2"
     assert p.budget.epsilon_per_client_per_epoch == 10.0
     assert p.budget.delta_per_client_per_epoch == 1e-5
+    assert p.lifetime_cap() == (50.0, 5e-5)  # five epochs at the full cap
     assert (p.budget.training_fraction, p.budget.evaluation_fraction) == (0.7, 0.3)
     assert (p.evaluation.global_fraction, p.evaluation.regional_fraction) == (0.5, 0.5)
     assert p.evaluation.minimum_group_size == 5
     assert p.borrowing.approvers == ("privacy-officer", "dpo-deputy")
     assert p.borrowing.max_borrows_per_epoch == 1
     assert p.mechanism_version("laplace") == "v1"
-    raw = resources.files("clma").joinpath("policy", "privacy_policy_v1.toml").read_bytes()
+    raw = resources.files("clma").joinpath("policy", "privacy_policy_v2.toml").read_bytes()
     assert p.content_hash == hashlib.sha256(raw).hexdigest() == PINNED_FILE_SHA256
+
+
+def test_v1_policies_still_load_without_a_lifetime_cap():
+    v1 = load_policy("privacy_policy_v1.toml")
+    assert v1.policy_version == "clma-privacy-policy-v1" and v1.lifetime_cap() is None
+    assert v1.content_hash == PINNED_V1_FILE_SHA256
+    assert load_policy("simulation_policy_v1.toml").lifetime_cap() is None
+    # the same rules as v2 apart from the lifetime cap
+    a = v1.model_dump(exclude={"policy_version", "content_hash", "source"})
+    b = default_policy().model_dump(exclude={"policy_version", "content_hash", "source"})
+    b["budget"].update(lifetime_epsilon_per_client=None, lifetime_delta_per_client=None)
+    assert a == b
 
 
 def test_hashes_stable_across_loads_and_rules_hash_ignores_comments(tmp_path):
@@ -113,6 +128,18 @@ def test_epoch_of_round():
          "accounting.pld_value_discretization_interval"),
         ("approval_timeout_seconds", "approval_timeout_seconds = 1.5",
          "borrowing.approval_timeout_seconds"),
+        ("lifetime_epsilon_per_client", "lifetime_epsilon_per_client = 9.5",
+         "budget.lifetime_epsilon_per_client"),
+        ("lifetime_epsilon_per_client", "lifetime_epsilon_per_client = -1.0",
+         "budget.lifetime_epsilon_per_client"),
+        ("lifetime_epsilon_per_client", "lifetime_epsilon_per_client = nan",
+         "budget.lifetime_epsilon_per_client"),
+        ("lifetime_delta_per_client", "lifetime_delta_per_client = 5e-6",
+         "budget.lifetime_delta_per_client"),
+        ("lifetime_delta_per_client", "lifetime_delta_per_client = 1.0",
+         "budget.lifetime_delta_per_client"),
+        ("lifetime_epsilon_per_client", "", "budget.lifetime_delta_per_client"),
+        ("lifetime_delta_per_client", "", "budget.lifetime_delta_per_client"),
     ],
 )
 def test_bad_value_fails_naming_the_field(tmp_path, key, line, field):
@@ -122,6 +149,18 @@ def test_bad_value_fails_naming_the_field(tmp_path, key, line, field):
     msg = str(info.value)
     assert f"field '{field}'" in msg
     assert msg.count("field '") == 1  # one clear error
+
+
+def test_lifetime_cap_rule_messages(tmp_path):
+    below = policy_with(tmp_path, lifetime_epsilon_per_client="lifetime_epsilon_per_client = 9.5")
+    with pytest.raises(PolicyError, match="lifetime cap below the epoch cap is an error"):
+        load_policy(below)
+    alone = policy_with(tmp_path, lifetime_delta_per_client="")
+    with pytest.raises(PolicyError, match="give both or neither"):
+        load_policy(alone)
+    at = policy_with(tmp_path, lifetime_epsilon_per_client="lifetime_epsilon_per_client = 10.0",
+                     lifetime_delta_per_client="lifetime_delta_per_client = 1e-5")
+    assert load_policy(at).lifetime_cap() == (10.0, 1e-5)  # equal to the epoch cap is allowed
 
 
 def test_unknown_key_and_missing_key_are_named(tmp_path):
@@ -195,11 +234,13 @@ def test_bundled_simulation_policy_by_file_name(tmp_path, monkeypatch):
     from clma.budget.policy import PolicyError, load_policy
 
     monkeypatch.chdir(tmp_path)  # no such file in the working directory
-    sim = load_policy("simulation_policy_v1.toml")
+    sim = load_policy("simulation_policy_v2.toml")
     prod = load_policy()
-    assert sim.policy_version == "clma-simulation-policy-v1"
-    assert sim.source == "clma/policy/simulation_policy_v1.toml"
+    assert sim.policy_version == "clma-simulation-policy-v2"
+    assert sim.source == "clma/policy/simulation_policy_v2.toml"
     assert sim.budget.epsilon_per_client_per_epoch == 8 * prod.budget.epsilon_per_client_per_epoch
+    assert sim.budget.lifetime_epsilon_per_client == 8 * prod.budget.lifetime_epsilon_per_client
+    assert sim.budget.lifetime_delta_per_client == prod.budget.lifetime_delta_per_client
     # every rule except the cap is the production policy's
     a = sim.model_dump(exclude={"policy_version", "content_hash", "source", "rules_hash", "budget"})
     b = prod.model_dump(exclude={"policy_version", "content_hash", "source", "rules_hash", "budget"})

@@ -1,4 +1,5 @@
-"""clma.rounds: selection, quarantine, FedAvg, per-cohort aggregation, cohorting, merging."""
+"""clma.rounds: selection, quarantine, FedAvg, per-cohort aggregation, cohorting, merging,
+DP-FedAvg with the fixed-denominator estimator."""
 
 from __future__ import annotations
 
@@ -9,11 +10,17 @@ from clma.cohort import CLMACohorter, CohortRegistry, signed_ks_statistic
 from clma.rounds import (
     ClientUpdate,
     aggregate_per_cohort,
+    clip_update,
     cohort_quarantined,
+    dp_aggregate_per_cohort,
+    dp_fedavg,
+    expected_participants,
     fedavg,
     merge_reconverged,
     quarantine,
+    replace_one_sensitivity,
     select_clients,
+    selection_size,
 )
 
 
@@ -299,3 +306,175 @@ def test_merge_reconverged_merges_parallel_displacements():
     k2 = reg2.split(r2, {0: [0], 1: [1]}, 1)
     _, none = merge_reconverged({k2[0]: d, k2[1]: -d}, reg2, ref, 0.5, 2, {})
     assert none == []
+
+
+# ------------------------------------------------------------------ DP-FedAvg (issue 21 item 3)
+
+
+def _updates_around(ref, rng, scales):
+    return [(ref + s * rng.normal(size=ref.shape)).astype(np.float32) for s in scales]
+
+
+def _clipped_sum(params, ref, c):
+    deltas = [p.astype(np.float64) - ref.astype(np.float64) for p in params]
+    return sum((d * min(1.0, c / np.linalg.norm(d)) for d in deltas), np.zeros(ref.shape))
+
+
+def test_dp_fedavg_fixed_denominator_is_the_literal_formula():
+    rng = np.random.default_rng(3)
+    ref = rng.normal(size=30).astype(np.float32)
+    params = _updates_around(ref, rng, (0.01, 5.0, 0.2, 30.0))
+    c, z, d = 1.0, 0.8, 2.5
+    res = dp_fedavg(params, ref, clipping_bound=c, noise_multiplier=z, denominator=d, seed=11)
+    noise = np.random.default_rng(11).normal(0.0, z * 2 * c, size=30)  # std z * 2C on the sum
+    expected = (ref.astype(np.float64) + (_clipped_sum(params, ref, c) + noise) / d)
+    np.testing.assert_allclose(res.model, expected.astype(np.float32), rtol=0, atol=1e-6)
+    assert res.model.dtype == np.float32 and res.model.shape == (30,)
+    assert res.sigma == z * 2 * c / d
+    assert (res.denominator, res.estimator, res.n_clients) == (2.5, "fixed_denominator", 4)
+    norms = [np.linalg.norm(p.astype(np.float64) - ref) for p in params]
+    assert res.n_clipped == sum(nm > c for nm in norms) == 3
+    assert res.noise_source == "seeded-simulation"
+    gen = dp_fedavg(params, ref, clipping_bound=c, noise_multiplier=z, denominator=d,
+                    seed=np.random.default_rng(11))
+    np.testing.assert_array_equal(gen.model, res.model)
+
+
+def test_replace_one_sensitivity_of_the_clipped_sum_is_twice_the_bound():
+    c = 0.75
+    assert replace_one_sensitivity(c) == 1.5
+    rng = np.random.default_rng(0)
+    e = rng.normal(size=50)
+    a, _ = clip_update(10 * e, c)
+    b, _ = clip_update(-10 * e, c)
+    assert np.linalg.norm(a - b) == pytest.approx(2 * c, rel=1e-12)  # attained
+    others = [clip_update(rng.normal(size=50) * s, c)[0] for s in (0.01, 0.1, 1, 10)] * 3
+    rest = sum(others)
+    for _ in range(200):  # replacing one client never moves the sum by more than 2C
+        u, v = (clip_update(rng.normal(size=50) * rng.uniform(0, 5), c)[0] for _ in range(2))
+        assert np.linalg.norm((rest + u) - (rest + v)) <= 2 * c * (1 + 1e-12)
+    with pytest.raises(ValueError, match="clipping_bound"):
+        replace_one_sensitivity(0.0)
+
+
+def _noise_std_check(noise, sigma):
+    """Sample std and mean within 4 standard errors of N(0, sigma): the std of a sample of
+    size m has standard error sigma / sqrt(2 (m - 1)), the mean sigma / sqrt(m)."""
+    m = noise.size
+    se = sigma / np.sqrt(2 * (m - 1))
+    return abs(noise.std(ddof=1) - sigma) < 4 * se and abs(noise.mean()) < 4 * sigma / np.sqrt(m)
+
+
+@pytest.mark.parametrize("seeded", [True, False])
+def test_dp_fedavg_noise_std_does_not_depend_on_the_realised_number_of_clients(seeded):
+    from scipy import stats
+
+    n_params = 40_000 if seeded else 4_000
+    c, z, d = 0.7, 1.3, 10.0
+    sigma = z * 2 * c / d
+    rng = np.random.default_rng(5)
+    ref = rng.normal(size=n_params).astype(np.float32)
+    stds = {}
+    for n in (1, 10, 40):
+        params = _updates_around(ref, rng, rng.uniform(0.0, 0.02, size=n))
+        res = dp_fedavg(params, ref, clipping_bound=c, noise_multiplier=z, denominator=d,
+                        seed=100 + n if seeded else None)
+        assert res.sigma == sigma and res.n_clients == n
+        noise = (res.model.astype(np.float64) - ref.astype(np.float64)
+                 - _clipped_sum(params, ref, c) / d)
+        assert _noise_std_check(noise, sigma), n
+        assert stats.kstest(noise, "norm", args=(0.0, sigma)).pvalue > 1e-4
+        stds[n] = noise.std(ddof=1)
+    # pairwise: the difference of two independent sample stds has se sigma / sqrt(m - 1)
+    se_diff = sigma / np.sqrt(n_params - 1)
+    assert max(stds.values()) - min(stds.values()) < 4 * se_diff
+    # the same check rejects the old realised-n estimator (noise z C / n on the mean)
+    old_rng = np.random.default_rng(7)
+    old_noise = {n: old_rng.normal(0.0, z * c / n, size=n_params) for n in (1, 10)}
+    assert not _noise_std_check(old_noise[1], sigma) or not _noise_std_check(old_noise[10], sigma)
+    assert abs(old_noise[1].std() - old_noise[10].std()) > 4 * se_diff
+
+
+def test_dp_fedavg_with_no_participant_releases_noise_only():
+    ref = np.zeros(20_000, dtype=np.float32)
+    res = dp_fedavg([], ref, clipping_bound=0.5, noise_multiplier=2.0, denominator=4.0, seed=3)
+    assert res.n_clients == 0 and res.sigma == 0.5
+    assert _noise_std_check(res.model.astype(np.float64), 0.5)
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("nan"), float("inf"), True, "three"])
+def test_dp_fedavg_rejects_a_bad_denominator(bad):
+    ref = np.zeros(3, dtype=np.float32)
+    with pytest.raises(ValueError, match="denominator must be a positive finite number"):
+        dp_fedavg([ref], ref, clipping_bound=1.0, noise_multiplier=1.0, denominator=bad, seed=0)
+
+
+def test_dp_fedavg_needs_a_denominator():
+    ref = np.zeros(4, dtype=np.float32)
+    with pytest.raises(TypeError, match="denominator"):
+        dp_fedavg([ref] * 4, ref, clipping_bound=2.0, noise_multiplier=1.5, seed=1)
+
+
+def test_dp_aggregate_per_cohort_releases_exactly_the_cohorts_with_denominators():
+    rng = np.random.default_rng(8)
+    models = {c: rng.normal(size=12).astype(np.float32) for c in (0, 1, 2, 3)}
+    ups = [_u(10, 0, models[0] + 0.3), _u(11, 0, models[0] - 0.2), _u(12, 1, models[1] + 5.0),
+           _u(13, 2, models[2] + 1.0)]
+    # cohort 2's only client is quarantined; cohort 3 is not released this round
+    dens = {0: 2.0, 1: 1.5, 2: 1.0}
+    out, res = dp_aggregate_per_cohort(ups, [13], models, clipping_bound=0.5,
+                                       noise_multiplier=1.0, denominators=dens, seed=4)
+    assert sorted(res) == [0, 1, 2]
+    np.testing.assert_array_equal(out[3], models[3])
+    by_cohort = {0: [ups[0], ups[1]], 1: [ups[2]], 2: []}
+    for cid, members in by_cohort.items():
+        literal = dp_fedavg([u.params for u in members], models[cid], clipping_bound=0.5,
+                            noise_multiplier=1.0, denominator=dens[cid],
+                            seed=np.random.default_rng([4, cid]))
+        np.testing.assert_array_equal(out[cid], literal.model)
+        assert res[cid].n_clients == len(members) and res[cid].sigma == 2 * 0.5 / dens[cid]
+    assert not np.array_equal(out[2], models[2])  # released even though nobody took part
+    # a Generator is drawn from in increasing cohort order
+    gen = np.random.default_rng(9)
+    out_g, _ = dp_aggregate_per_cohort(ups, [13], models, clipping_bound=0.5,
+                                       noise_multiplier=1.0, denominators=dens,
+                                       seed=np.random.default_rng(9))
+    for cid in (0, 1, 2):
+        literal = dp_fedavg([u.params for u in by_cohort[cid]], models[cid], clipping_bound=0.5,
+                            noise_multiplier=1.0, denominator=dens[cid], seed=gen)
+        np.testing.assert_array_equal(out_g[cid], literal.model)
+
+
+def test_dp_aggregate_per_cohort_denominator_errors():
+    models = {0: np.zeros(3, dtype=np.float32), 1: np.zeros(3, dtype=np.float32)}
+    ups = [_u(1, 0, [0.1, 0, 0]), _u(2, 1, [0, 0.1, 0])]
+    kw = {"clipping_bound": 1.0, "noise_multiplier": 1.0, "seed": 0}
+    with pytest.raises(ValueError, match="cohort 1 has usable updates but no denominator"):
+        dp_aggregate_per_cohort(ups, [], models, denominators={0: 1.0}, **kw)
+    with pytest.raises(ValueError, match="cohort 5 has no model"):
+        dp_aggregate_per_cohort(ups, [], models, denominators={0: 1.0, 1: 1.0, 5: 1.0}, **kw)
+    with pytest.raises(ValueError, match="denominator must be a positive"):
+        dp_aggregate_per_cohort(ups, [], models, denominators={0: 1.0, 1: 0.0}, **kw)
+    with pytest.raises(TypeError, match="denominators"):
+        dp_aggregate_per_cohort(ups, [], models, **kw)
+
+
+def test_selection_size_and_expected_participants():
+    ids = list(range(20))
+    for p in (0.05, 0.25, 0.26, 0.5, 0.999, 1.0):
+        assert selection_size(20, p) == len(select_clients(ids, p, np.random.default_rng(0)))
+    assert (selection_size(60, 1.0), selection_size(60, 0.25), selection_size(1, 0.01)) == (60, 15, 1)
+    assert expected_participants(15, population_size=60, sample_size=30) == 7.5
+    assert expected_participants(21, population_size=60, sample_size=60) == 21.0
+    assert expected_participants(1, population_size=60, sample_size=6) == 1.0  # at least 1
+    for bad in ({"population_size": 0}, {"population_size": True}, {"population_size": 2.0}):
+        with pytest.raises(ValueError, match="population_size"):
+            selection_size(participation=0.5, **bad)
+    with pytest.raises(ValueError, match="participation"):
+        selection_size(10, 0.0)
+    with pytest.raises(ValueError, match="sample_size"):
+        expected_participants(3, population_size=10, sample_size=11)
+    with pytest.raises(ValueError, match="cohort_size"):
+        expected_participants(11, population_size=10, sample_size=5)
+    with pytest.raises(ValueError, match="cohort_size"):
+        expected_participants(-1, population_size=10, sample_size=5)

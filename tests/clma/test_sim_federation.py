@@ -1,4 +1,6 @@
-"""clma.sim.federation: building the simulated federation, on-device training and evaluation."""
+"""clma.sim.federation: building the simulated world (clients' data, regions, the drift
+schedule as a function of the round, the server's public assets); its devices trained and
+evaluated through clma.sim.clients.SimulatedClients (the in-process transport)."""
 
 from __future__ import annotations
 
@@ -8,11 +10,12 @@ import numpy as np
 import pytest
 
 from clma.config import validate_config
+from clma.engine import ServerState, TrainRequest, TrainSettings
 from clma.rounds import fedavg
+from clma.sim.clients import SimLearner, SimulatedClients
 from clma.sim.data import holdout_split, load_digits
-from clma.sim.drift import AppliedDrift
-from clma.sim.federation import build_federation, evaluate_clients, train_clients
-from clma.sim.training import mean_loss
+from clma.sim.federation import build_federation
+from clma.sim.training import mean_loss, predict_proba
 
 CFG = validate_config({
     "name": "fed-test", "seed": 4, "rounds": 3, "clients": 10,
@@ -43,10 +46,17 @@ def test_clients_regions_and_local_splits(fed):
         assert n_ev == round(0.25 * (n_tr + n_ev))
         assert cl.train_x.shape == (n_tr, 1, 8, 8) and cl.train_x.dtype == np.float32
         assert cl.train_y.dtype == np.int64 and cl.drifts == []
-    # registry: everyone in the root cohort, whose model is the initial model
-    assert fed.registry.active_cohorts() == [0]
-    np.testing.assert_array_equal(fed.cohort_models[0], fed.initial_model)
+    # the server's public assets: architecture, initial model, probe set, partition
+    assets = fed.assets()
+    assert assets.initial_model is fed.initial_model and assets.probe_x is fed.probe_x
+    assert assets.partition is fed.partition and assets.dataset_name == "digits"
     assert fed.initial_model.dtype == np.float32
+    assert assets.n_params == fed.initial_model.shape[0] == sum(
+        p.numel() for p in fed.spec.build().state_dict().values())
+    # a fresh server: everyone in root cohort 0, whose model is the initial model
+    state = ServerState.fresh(fed.client_ids, assets.initial_model)
+    assert state.registry.active_cohorts() == [0]
+    np.testing.assert_array_equal(state.cohort_models[0], fed.initial_model)
 
 
 def test_heldout_disjoint_from_clients_and_each_other(fed):
@@ -88,7 +98,7 @@ def test_dirichlet_federation_builds():
     assert sum(sizes) == 1797 - 360 and min(sizes) >= 8
 
 
-def test_inject_drift_follows_schedule():
+def test_drift_is_a_function_of_the_round():
     cfg = validate_config({"clients": 4, "rounds": 3, "data": {"probe_size": 32},
                            "drift": {"events": [
                                {"round": 2, "kind": "label_rotation", "shift": 2,
@@ -96,96 +106,109 @@ def test_inject_drift_follows_schedule():
                                {"round": 3, "kind": "gaussian_noise", "magnitude": 0.2,
                                 "family": "n", "clients": [1]}]}})
     f = build_federation(cfg)
-    assert f.inject_drift(1) == {}
-    assert f.inject_drift(2) == {1: "p", 3: "p"}
-    assert f.drifted_clients() == [1, 3] and f.stationary_clients() == [0, 2]
-    tx, ty, ex, ey = f.clients[1].current()
+    assert f.drifted_at(1) == {} and f.drifts_for(1, 1) == []
+    assert f.drifted_at(2) == {1: "p", 3: "p"}
+    assert f.drifted_clients(2) == [1, 3] and f.stationary_clients(2) == [0, 2]
+    assert f.drifted_clients(1) == [] and f.stationary_clients(1) == [0, 1, 2, 3]
+    learner = SimLearner(f, f.clients[1])
+    tx, ty, ex, ey = learner.data(2)
     np.testing.assert_array_equal(ty, (f.clients[1].train_y + 2) % 10)
     np.testing.assert_array_equal(ey, (f.clients[1].eval_y + 2) % 10)
     np.testing.assert_array_equal(tx, f.clients[1].train_x)
-    assert f.inject_drift(3) == {1: "n"}
-    assert f.clients[1].families == ["p", "n"]
-    tx2, _, _, _ = f.clients[1].current()
-    assert not np.array_equal(tx2, f.clients[1].train_x)
-    np.testing.assert_array_equal(tx2, f.clients[1].current()[0])  # fixed noise draw
+    assert f.drifted_at(3) == {1: "n"}
+    assert [d.family for d in f.drifts_for(1, 3)] == ["p", "n"]
+    assert [d.family for d in f.drifts_for(1, 99)] == ["p", "n"]
+    tx3, ty3, _, _ = learner.data(3)
+    assert not np.array_equal(tx3, f.clients[1].train_x)
+    np.testing.assert_array_equal(ty3, ty)
+    np.testing.assert_array_equal(tx3, SimLearner(f, f.clients[1]).data(3)[0])  # fixed noise
+    # data of an earlier round are that round's, also after a later one was asked
+    np.testing.assert_array_equal(learner.data(1)[1], f.clients[1].train_y)
+    # the world is not changed by asking: the clients' own data carry no drift
+    assert all(cl.drifts == [] for cl in f.clients.values())
 
 
-def _round(fed, clients, models, cohort_of, round_number):
-    res = train_clients(clients, models, cohort_of, fed.spec, CFG.training, CFG.drift.gamma,
-                        CFG.seed, round_number)
-    for r in res:
-        fed.clients[r.update.client_id].detector_state = r.detector_state
-    return res
+SETTINGS = TrainSettings(local_epochs=CFG.training.local_epochs,
+                         learning_rate=CFG.training.learning_rate,
+                         batch_size=CFG.training.batch_size, drift_gamma=CFG.drift.gamma)
+
+
+def _train(clients, ids, model, round_number, settings=SETTINGS):
+    req = TrainRequest(round_number, dict.fromkeys(ids, 0), {0: model}, settings)
+    out = clients.train(req)
+    assert out.failed == {} and sorted(out.ok) == sorted(ids)
+    return out.ok
 
 
 def test_detector_flags_rotated_client_not_stationary():
-    fed = build_federation(CFG)
+    cfg = validate_config({**CFG.model_dump(mode="json"), "drift": {"events": [
+        {"round": 3, "kind": "label_rotation", "shift": 3, "family": "p", "clients": [0]}]}})
+    fed = build_federation(cfg)
+    clients = SimulatedClients(fed)
     ids = [0, 1, 2, 3, 4, 5]
-    clients = [fed.clients[c] for c in ids]
-    cohort_of = dict.fromkeys(ids, 0)
     model = fed.initial_model
     for rnd in (1, 2):
-        res = _round(fed, clients, dict.fromkeys(ids, model), cohort_of, rnd)
-        assert not any(r.update.drift_flag for r in res)  # falling losses never flag
-        model = fedavg([r.update.params for r in res], [r.update.n_samples for r in res])
-    fed.clients[0].drifts.append(AppliedDrift(3, "label_rotation", "p", shift=3))
-    prev = {c: fed.clients[c].detector_state["previous_loss"] for c in ids}
-    res = _round(fed, clients, dict.fromkeys(ids, model), cohort_of, 3)
-    flags = {r.update.client_id: r.update.drift_flag for r in res}
+        res = _train(clients, ids, model, rnd)
+        assert not any(u.drift_flag for u in res.values())  # falling losses never flag
+        model = fedavg([res[c].params for c in ids], [res[c].n_samples for c in ids])
+    prev = {c: clients.store.load(c).before(3)["previous_loss"] for c in ids}
+    res = _train(clients, ids, model, 3)
+    flags = {c: u.drift_flag for c, u in res.items()}
     assert flags == {0: True, 1: False, 2: False, 3: False, 4: False, 5: False}
     for c in ids:
-        tx, ty, _, _ = fed.clients[c].current()
-        loss = fed.clients[c].detector_state["previous_loss"]
+        tx, ty, _, _ = clients.learners[c].data(3)
+        state = clients.store.load(c).before(4)
+        loss = state["previous_loss"]
         # the detector saw the received model's loss on the current data, before training
         assert loss == pytest.approx(mean_loss(fed.spec, model, tx, ty), abs=1e-5)
-        assert (loss - prev[c] > CFG.drift.gamma) == (c == 0)
-    assert fed.clients[0].detector_state["n_flags"] == 1
-    upd = {r.update.client_id: r.update for r in res}
-    assert upd[0].n_samples == fed.clients[0].train_y.shape[0] and upd[0].cohort_id == 0
-    assert upd[0].params.dtype == np.float32 and upd[0].params.shape == model.shape
+        assert (loss - prev[c] > cfg.drift.gamma) == (c == 0)
+        assert state["n_flags"] == (c == 0) and state["n_updates"] == 3
+    upd = res[0]
+    assert upd.n_samples == fed.clients[0].train_y.shape[0] and upd.cohort_id == 0
+    assert upd.params.dtype == np.float32 and upd.params.shape == model.shape
 
 
-def test_train_clients_bit_identical_on_same_inputs():
+def test_training_is_bit_identical_on_same_inputs():
     fed = build_federation(CFG)
-    clients = [fed.clients[c] for c in (2, 7)]
-    models = {2: fed.initial_model, 7: fed.initial_model}
-    a = train_clients(clients, models, {2: 0, 7: 0}, fed.spec, CFG.training, 0.5, 4, 1)
-    b = train_clients(list(reversed(clients)), models, {2: 0, 7: 0}, fed.spec, CFG.training,
-                      0.5, 4, 1)
-    by_b = {r.update.client_id: r for r in b}
-    for r in a:
-        other = by_b[r.update.client_id]
-        assert r.update.params.tobytes() == other.update.params.tobytes()
-        assert r.detector_state == other.detector_state
-    assert not np.array_equal(a[0].update.params, fed.initial_model)  # it trained
-    c = train_clients(clients, models, {2: 0, 7: 0}, fed.spec, CFG.training, 0.5, 4, 2)
-    assert c[0].update.params.tobytes() != a[0].update.params.tobytes()  # round seeds order
+    a = _train(SimulatedClients(fed), [2, 7], fed.initial_model, 1)
+    other = SimulatedClients(build_federation(CFG))
+    req = TrainRequest(1, {7: 0, 2: 0}, {0: fed.initial_model}, SETTINGS)  # other order
+    b = other.train(req).ok
+    for c in (2, 7):
+        assert a[c].params.tobytes() == b[c].params.tobytes()
+        assert a[c].n_samples == b[c].n_samples and a[c].drift_flag == b[c].drift_flag
+    assert not np.array_equal(a[2].params, fed.initial_model)  # it trained
+    c = _train(SimulatedClients(fed), [2, 7], fed.initial_model, 2)
+    assert c[2].params.tobytes() != a[2].params.tobytes()  # round seeds order
 
 
-def test_evaluate_clients_values_and_clipping(fed):
+def test_ground_truth_values_and_clipping(fed):
     ids = [0, 1, 2]
-    clients = [fed.clients[c] for c in ids]
+    clients = SimulatedClients(fed)
     model = fed.initial_model
-    ev = evaluate_clients(clients, dict.fromkeys(ids, model), dict.fromkeys(ids, 0), fed.spec,
-                          loss_max=50.0, keep_probabilities=True)
-    for e, cl in zip(ev, clients, strict=True):
-        assert (e.client_id, e.region, e.cohort_id) == (cl.client_id, cl.region, 0)
+    ev = clients.truth(1, dict.fromkeys(ids, 0), {0: model}, loss_max=50.0)
+    for e, c in zip(ev, ids, strict=True):
+        cl = fed.clients[c]
+        assert (e.client_id, e.region, e.cohort_id) == (c, cl.region, 0)
         assert e.n_eval == cl.eval_y.shape[0]
         assert e.loss == pytest.approx(mean_loss(fed.spec, model, cl.eval_x, cl.eval_y),
                                        abs=1e-5)
-        assert e.accuracy == float((e.probabilities.argmax(1) == cl.eval_y).mean())
-        np.testing.assert_array_equal(e.labels, cl.eval_y)
-        np.testing.assert_allclose(e.probabilities.sum(1), 1.0, atol=1e-6)
+        proba = predict_proba(fed.spec, model, cl.eval_x)
+        assert e.accuracy == float((proba.argmax(1) == cl.eval_y).mean())
+        assert e.probabilities is None and e.labels is None  # truth keeps no raw outputs
     # clipped to loss_max: a blown-up model has losses far above 1.0
     big = model * 40.0
-    clipped = evaluate_clients(clients, dict.fromkeys(ids, big), dict.fromkeys(ids, 0),
-                               fed.spec, loss_max=1.0)
-    raw = [mean_loss(fed.spec, big, cl.eval_x, cl.eval_y) for cl in clients]
+    clipped = clients.truth(1, dict.fromkeys(ids, 0), {0: big}, loss_max=1.0)
+    raw = [mean_loss(fed.spec, big, fed.clients[c].eval_x, fed.clients[c].eval_y) for c in ids]
     assert min(raw) > 1.0
     assert [e.loss for e in clipped] == [1.0, 1.0, 1.0]
-    assert all(e.probabilities is None and e.labels is None for e in clipped)
     for e in clipped:
         assert 0.0 <= e.accuracy <= 1.0
+    # each client evaluates its own cohort's model
+    two = clients.truth(1, {0: 0, 1: 5}, {0: model, 5: big}, loss_max=50.0)
+    assert [e.cohort_id for e in two] == [0, 5]
+    assert two[0].loss == ev[0].loss
+    assert two[1].loss > 1.0 and two[1].accuracy == clipped[1].accuracy  # cohort 5's model
 
 
 @pytest.mark.parametrize("shift", [10, -20])

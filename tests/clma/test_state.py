@@ -10,15 +10,17 @@ import numpy as np
 import pytest
 
 from clma.config import load_config
+from clma.engine import FederationEngine, ServerState
+from clma.sim.clients import SimulatedClients
 from clma.sim.federation import build_federation
 from clma.state import (
     StateCorrupt,
     StateError,
     StateLocked,
     StateStore,
-    restore_federation,
+    restore_server,
     resume_fingerprint,
-    snapshot_federation,
+    snapshot_server,
 )
 
 SMALL = Path(__file__).parents[1] / "flows" / "small.toml"
@@ -122,45 +124,82 @@ def test_lock_is_exclusive(tmp_path):
         pass
 
 
-def test_snapshot_restore_round_trip_of_a_federation(tmp_path):
+def _engine(cfg):
+    sim = build_federation(cfg)
+    return FederationEngine(cfg, sim.assets(), SimulatedClients(sim))
+
+
+def test_snapshot_restore_round_trip_of_the_server_state(tmp_path):
     cfg = load_config(SMALL)
-    fed = build_federation(cfg)
-    # mutate: a split, a new cohort model, detector state and a drift
-    fed.registry.split(0, {0: [0, 2], 1: [1, 3]}, round=2)
-    fed.cohort_models = {c: np.full(fed.initial_model.shape, float(c), np.float32)
-                         for c in fed.registry.active_cohorts()}
-    fed.merge_reference = fed.initial_model * 2
-    fed.clients[4].detector_state = {"kind": "LossThresholdDetector", "gamma": 0.5,
-                                     "previous_loss": 1.25, "n_updates": 2, "n_flags": 0}
-    fed.inject_drift(3)
+    engine = _engine(cfg)
+    st = engine.state
+    initial = engine.assets.initial_model
+    # mutate: a split, new cohort models, a merge reference and the evaluation state
+    st.registry.split(0, {0: [0, 2], 1: [1, 3]}, round=2)
+    st.registry.record_round(2)
+    st.cohort_models = {c: np.full(initial.shape, float(c), np.float32)
+                        for c in st.registry.active_cohorts()}
+    st.merge_reference = initial * 2
+    ev = engine.evaluator.state  # created on first use, initial bounds from the config
+    ev.evaluations_done = 2
+    ev.merges.observe(engine.assets.partition.region_ids, ["west"])
     store = StateStore(tmp_path / "s")
-    store.commit(2, snapshot_federation(fed, 2))
-    fresh = build_federation(cfg)
-    assert restore_federation(fresh, store.load()) == 2
-    assert fresh.registry.to_dict() == fed.registry.to_dict()
+    store.commit(2, snapshot_server(st, cfg, 2))
+    fresh = restore_server(store.load(), cfg)
+    assert isinstance(fresh, ServerState) and fresh.rounds_done == 2
+    assert fresh.registry.to_dict() == st.registry.to_dict()
     assert sorted(fresh.cohort_models) == [0, 1, 2]
     for c in fresh.cohort_models:
-        np.testing.assert_array_equal(fresh.cohort_models[c], fed.cohort_models[c])
+        np.testing.assert_array_equal(fresh.cohort_models[c], st.cohort_models[c])
         assert fresh.cohort_models[c].dtype == np.float32
-    np.testing.assert_array_equal(fresh.merge_reference, fed.merge_reference)
-    assert fresh.clients[4].detector_state == fed.clients[4].detector_state
-    assert [c for c, cl in fresh.clients.items() if cl.drifts] == fed.drifted_clients()
-    assert fresh.clients[0].drifts == fed.clients[0].drifts
-    # no client data or RNG state in the snapshot: the files are small JSON + npz
+    np.testing.assert_array_equal(fresh.merge_reference, st.merge_reference)
+    assert fresh.evaluation == ev and fresh.evaluation.evaluations_done == 2
+    # an engine continues from it: same assignments, its evaluator on the restored state
+    again = FederationEngine(cfg, engine.assets, engine.clients, state=fresh)
+    assert again.state.assignments([0, 1, 4]) == st.assignments([0, 1, 4])
+    assert again.evaluator.state is fresh.evaluation
+    # nothing of a client: no clients.json, no detector state, small JSON + npz
     files = store.load().files
-    assert set(files) == {"registry.json", "models.npz", "clients.json", "federation.json"}
+    assert set(files) == {"registry.json", "models.npz", "evaluation.json", "federation.json"}
     assert json.loads(files["federation.json"])["round"] == 2
+    for name in ("registry.json", "evaluation.json", "federation.json"):
+        assert "previous_loss" not in files[name].decode() and "detector" not in files[name].decode()
+
+
+def test_snapshot_before_the_first_evaluation_and_without_a_merge_reference(tmp_path):
+    cfg = load_config(SMALL)
+    engine = _engine(cfg)
+    store = StateStore(tmp_path / "s")
+    store.commit(0, snapshot_server(engine.state, cfg, 0))
+    assert store.load().json("evaluation.json") is None
+    fresh = restore_server(store.load(), cfg)
+    assert fresh.evaluation is None and fresh.merge_reference is None and fresh.rounds_done == 0
+    np.testing.assert_array_equal(fresh.cohort_models[0], engine.assets.initial_model)
+
+
+def test_models_that_do_not_match_the_registry_are_corrupt(tmp_path):
+    cfg = load_config(SMALL)
+    st = _engine(cfg).state
+    files = snapshot_server(st, cfg, 1)
+    st.registry.split(0, {0: [0, 2], 1: [1, 3]}, round=1)  # the registry moved on alone
+    files["registry.json"] = snapshot_server(st, cfg, 1)["registry.json"]
+    store = StateStore(tmp_path / "s")
+    store.commit(1, files)
+    with pytest.raises(StateCorrupt, match="cohort models do not match"):
+        restore_server(store.load(), cfg)
 
 
 def test_restore_refuses_another_configuration(tmp_path):
     cfg = load_config(SMALL)
-    fed = build_federation(cfg)
+    st = _engine(cfg).state
     store = StateStore(tmp_path / "s")
-    store.commit(1, snapshot_federation(fed, 1))
-    other = build_federation(cfg.with_overrides(seed=cfg.seed + 1))
+    store.commit(1, snapshot_server(st, cfg, 1))
     with pytest.raises(StateError, match="config: differs"):
-        restore_federation(other, store.load())
-    # rounds may change when resuming
+        restore_server(store.load(), cfg.with_overrides(seed=cfg.seed + 1))
+    # rounds (and the transport section) may change when resuming
     more = cfg.with_overrides(rounds=cfg.rounds + 3)
     assert resume_fingerprint(more) == resume_fingerprint(cfg)
-    assert restore_federation(build_federation(more), store.load()) == 1
+    assert restore_server(store.load(), more).rounds_done == 1
+    moved = cfg.model_copy(update={"federation": cfg.federation.model_copy(
+        update={"device_state_dir": str(tmp_path / "elsewhere")})})
+    assert resume_fingerprint(moved) == resume_fingerprint(cfg)

@@ -5,9 +5,38 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 from flwr.app import Context, Error, Message, RecordDict
+
+#: The tiny federation (6 clients, seeded noise) every Flower test compares with the engine.
+TINY = Path(__file__).resolve().parents[1] / "scale_out" / "tiny_dask.toml"
+_ALLOW_SEEDED = "\n[testing]\nallow_seeded_noise_not_private = true\n"
+
+
+def allow_seeded(cfg):
+    """``cfg`` with ``testing.allow_seeded_noise_not_private``: the Flower path refuses
+    seeded noise otherwise, and these tests compare its values with the engine's."""
+    return cfg.model_copy(update={"testing": cfg.testing.model_copy(
+        update={"allow_seeded_noise_not_private": True})})
+
+
+def tiny_config():
+    """The tiny federation's config, seeded noise allowed on the Flower path (tests)."""
+    from clma.config import load_config
+
+    return allow_seeded(load_config(TINY))
+
+
+def tiny_toml(folder: Path) -> Path:
+    """A copy of the tiny federation's TOML in ``folder`` that allows seeded noise on the
+    Flower path (for apps that load their config from a file)."""
+    text = TINY.read_text(encoding="utf-8")
+    assert "[testing]" not in text
+    out = Path(folder) / TINY.name
+    out.write_text(text + _ALLOW_SEEDED, encoding="utf-8")
+    return out
 
 
 @pytest.fixture

@@ -6,13 +6,10 @@ messages after which the node keeps answering."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 
-from clma.config import load_config
 from clma.engine.clients import (
     ReportRequest,
     SecAggSession,
@@ -27,7 +24,7 @@ from clma.privacy.secagg import FixedPointQuantiser, SecAggConfig, SecAggServer
 from clma.sim.clients import SimulatedClients
 from clma.sim.federation import build_federation
 
-TINY = Path(__file__).resolve().parents[1] / "scale_out" / "tiny_dask.toml"
+from .conftest import tiny_config
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +32,7 @@ def world():
     import torch
 
     torch.set_num_threads(1)
-    cfg = load_config(TINY)
+    cfg = tiny_config()
     return cfg, build_federation(cfg)
 
 

@@ -200,7 +200,7 @@ def test_malformed_secure_aggregation_replies_are_refused(run_id):
     refused("secagg_advertise", good + b"\x00", "trailing bytes")
     refused("secagg_advertise", "not bytes", "payload: must be bytes")
     refused("secagg_advertise", codec.step_payload("secagg_share_keys", {sid: shares[1]}),
-            "not a format-1 reply secagg_advertise payload")
+            "not a format-2 reply secagg_advertise payload")
     refused("secagg_advertise", good, "answers a session the client was not asked about",
             sessions=("eval-2-north",))
     refused("secagg_advertise", codec.step_payload("secagg_advertise", {sid: adverts[2]}),
@@ -216,8 +216,13 @@ def test_malformed_secure_aggregation_replies_are_refused(run_id):
     arr = bytearray(big)
     arr[-8:] = (2**63).to_bytes(8, "little")
     refused("secagg_masked_input", bytes(arr), "masked: words must be below 2\\^62")
-    huge = bytes([1, 12]) + (10**6).to_bytes(4, "little")
+    huge = bytes([2, 12]) + (10**6).to_bytes(4, "little")
     refused("secagg_advertise", huge, "sessions: must be at most 256")
+    # the commitment to b_u is part of every share-keys reply, 32 bytes exactly
+    sk = bytearray(codec.step_payload("secagg_share_keys", {sid: shares[1]}))
+    pos = sk.index(shares[1].b_commitment)
+    sk[pos - 4:pos] = (31).to_bytes(4, "little")
+    refused("secagg_share_keys", bytes(sk), "b_commitment: must be 32 bytes")
     dup = codec.step_payload("secagg_unmask", {sid: responses[1]})
     refused("secagg_unmask", dup[:2] + (2).to_bytes(4, "little") + dup[6:] + dup[6:],
             "session id listed twice")

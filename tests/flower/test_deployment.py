@@ -231,7 +231,8 @@ def seeded_run(deployment, tmp_path_factory):
     """clma run, seeded noise, durable state, MLflow and Prefect in temporary homes."""
     tmp = tmp_path_factory.mktemp("seeded")
     cfg = _toml(_config(tmp, "seeded", deployment.superlink,
-                        evaluation={"noise_seeded": True}))
+                        evaluation={"noise_seeded": True},
+                        testing={"allow_seeded_noise_not_private": True}))
     t0 = time.perf_counter()
     r = _clma(["run", "--config", str(cfg), "--out", str(tmp / "out"), "--state-dir",
                str(tmp / "state"), "--quiet"], _env(tmp), tmp / "clma.log")
@@ -276,7 +277,9 @@ def test_the_local_config_completes_over_the_script_deployment(deployment, tmp_p
     run_id = summary["federation"]["transport_details"]["flower_run_id"]
     assert f"Flower run: {run_id}" in " ".join(r.stdout.decode().split())
     assert [x["round"] for x in summary["rounds"]] == [1, 2, 3, 4]
-    assert sorted(summary["final_cohorts"].values()) == [2, 2, 2]  # families separated
+    # the families separated: three cohorts, published as bands (schema clma.summary/2)
+    assert summary["schema"] == "clma.summary/2" and len(summary["final_cohorts"]) == 3
+    assert summary["sim_truth"] is None  # real clients: no ground truth
     print(f"\n[timing] local config over the script deployment: {seconds:.0f} s "
           f"(deployment started in {deployment.started_in:.0f} s)")
 
@@ -308,17 +311,20 @@ def test_named_prefect_tasks_mlflow_lineage_and_the_ledger(seeded_run):
 
 
 def test_cohorts_and_published_values_equal_the_in_process_simulation(seeded_run, simulation):
+    from clma.release import count_band
+
     eng, results = simulation
+    m = eng.evaluator.min_cohort
     summary, out = seeded_run["summary"], seeded_run["tmp"] / "out"
     for rec, res in zip(summary["rounds"], results, strict=True):
-        assert rec["cohorts"] == {str(k): v for k, v in sorted(res.cohorts.items())}
+        assert rec["cohorts"] == {str(k): count_band(v, m) for k, v in sorted(res.cohorts.items())}
         assert rec["regional"] == json.loads(json.dumps(res.regional))
         if res.evaluation is not None:
             for rel, text in res.evaluation.envelopes.items():
                 assert (out / "envelopes" / f"round_{res.round:03d}" / rel).read_text() == text
     assert summary["rounds"][3]["regional"]["metrics"]["accuracy"]["global"]["noise_source"] \
         == "seeded-simulation"
-    assert summary["final_cohorts"] == {str(c): len(eng.state.registry.members(c))
+    assert summary["final_cohorts"] == {str(c): count_band(len(eng.state.registry.members(c)), m)
                                         for c in eng.state.registry.active_cohorts()}
     from clma.budget import PrivacyLedger, load_policy
 
@@ -340,7 +346,8 @@ def test_a_node_lost_mid_round_and_a_killed_orchestrator_resume_without_repeats(
         # a lost node is noticed by the SuperLink (heartbeat) or by the exchange timeout; the
         # resumed run waits at most 30 s for the six nodes of the roster
         cfg = _toml(_config(tmp, "failures", d.superlink, flower={"connect_timeout_seconds": 30.0},
-                            evaluation={"noise_seeded": True}))
+                            evaluation={"noise_seeded": True},
+                            testing={"allow_seeded_noise_not_private": True}))
         state, out = tmp / "state", tmp / "out"
         env = _env(tmp, CLMA_FLOWER_FAILPOINT="pause:2:secagg_share_keys,"
                                               "kill:4:secagg_share_keys")

@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 from flwr.app import ConfigRecord, Error, Message, RecordDict
 
-from clma.config import load_config
 from clma.engine import FederationEngine, open_budget
 from clma.flower import codec
 from clma.flower.clientapp import make_client_app
@@ -21,9 +20,7 @@ from clma.flower.transport import FlowerTransport
 from clma.sim.clients import SimulatedClients
 from clma.sim.federation import build_federation
 
-from .conftest import LoopbackGrid
-
-TINY = Path(__file__).resolve().parents[1] / "scale_out" / "tiny_dask.toml"
+from .conftest import LoopbackGrid, tiny_config
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +28,7 @@ def world():
     import torch
 
     torch.set_num_threads(1)
-    cfg = load_config(TINY)
+    cfg = tiny_config()
     cfg = cfg.model_copy(update={"federation": cfg.federation.model_copy(
         update={"transport": "flower"})})
     return cfg, build_federation(cfg)

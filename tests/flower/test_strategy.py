@@ -7,14 +7,12 @@ constructor's options kept working; and ArrayRecord <-> vector layouts."""
 from __future__ import annotations
 
 from collections import OrderedDict
-from pathlib import Path
 
 import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord
 from flwr.serverapp.strategy import FedAvg
 
-from clma.config import load_config
 from clma.engine import FederationEngine, make_cohorter, open_budget
 from clma.flower import CLMA, ArrayLayout
 from clma.flower.private import PrivateEvaluation
@@ -23,10 +21,8 @@ from clma.sim.clients import SimulatedClients
 from clma.sim.federation import build_federation
 from clma.sim.models import MLPSpec
 
-from .conftest import LoopbackGrid
+from .conftest import LoopbackGrid, tiny_config
 from .test_flower_transport import _grid
-
-TINY = Path(__file__).resolve().parents[1] / "scale_out" / "tiny_dask.toml"
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +30,7 @@ def world():
     import torch
 
     torch.set_num_threads(1)
-    cfg = load_config(TINY)
+    cfg = tiny_config()
     return cfg, build_federation(cfg)
 
 
@@ -151,6 +147,10 @@ def test_constructor_options_keep_working(run_id, world, tmp_path):
     assert s.config.cohort.merge_cohorts_threshold == 0.3
     pe = PrivateEvaluation(CLMA(config=cfg), epsilon=2.0, min_cohort=6)
     assert pe.strategy.config.evaluation.epsilon == 2.0 and pe.config.evaluation.min_cohort == 6
+    pe = PrivateEvaluation(CLMA(config=cfg), secagg_dropout_fraction=0.2)
+    assert pe.config.evaluation.secagg_dropout_fraction == 0.2
+    with pytest.raises(ValueError, match="secagg_corrupted_fraction"):
+        PrivateEvaluation(CLMA(config=cfg), secagg_corrupted_fraction=0.6)
     # client_id_of: no roster query; param_selector reaches the engine's cohorting vector
     nodes = {1000 + i: {"partition-id": i} for i in range(cfg.clients)}
     grid = LoopbackGrid(__import__("clma.flower.clientapp", fromlist=["x"]).make_client_app(), nodes,
@@ -214,7 +214,9 @@ def test_layout_selector_indices_pick_the_selected_arrays_entries():
 def test_dp_fedavg_on_flower_charges_the_training_line_each_round(run_id, world, tmp_path):
     cfg, fed = world
     data = cfg.model_dump()
-    data["training"]["dp"] = {"enabled": True, "clipping_bound": 1.0, "noise_multiplier": 1.0}
+    # z = 4: both rounds fit the training line's cap (at z = 1 the engine backs off round 2)
+    data["training"]["dp"] = {"enabled": True, "clipping_bound": 1.0, "noise_multiplier": 4.0,
+                              "noise_seeded": True}  # bitwise comparison below
     from clma.config import validate_config
 
     dp = _ledgered(validate_config(data), tmp_path / "flower")
@@ -228,6 +230,9 @@ def test_dp_fedavg_on_flower_charges_the_training_line_each_round(run_id, world,
     training = [e for e in strat.engine.budget.ledger.entries() if e["line"] == "training"]
     assert [(e["round"], e["release"], e["status"]) for e in training] == [
         (0, "training.dp-fedavg", "committed"), (1, "training.dp-fedavg", "committed")]
+    assert training == [e for e in eng.budget.ledger.entries()  # the engine's charges
+                        if e["line"] == "training"]
     for c, v in eng.state.cohort_models.items():  # the same DP-FedAvg release, bitwise
         np.testing.assert_array_equal(strat.cohort_models[c], v)
-    assert not np.array_equal(strat.cohort_models[0], fed.initial_model)
+    assert sorted(strat.cohort_models) == sorted(eng.state.cohort_models)
+    assert all(not np.array_equal(v, fed.initial_model) for v in strat.cohort_models.values())

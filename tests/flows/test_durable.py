@@ -1,7 +1,9 @@
 """Durable federation state end to end: a federation process is killed twice (SIGKILL),
 once after a round was logged but before its commit and once in the middle of a round, and
 resumed each time; cohort history, ledger and MLflow run must equal an uninterrupted run
-of the same config, with every round exactly once and no budget charged twice."""
+of the same config, with every round exactly once and no budget charged twice. The
+simulated devices keep their detector state in their own folder, ``<state_dir>.devices``,
+which the resumed runs find again: the re-asked rounds give the same flags."""
 
 from __future__ import annotations
 
@@ -133,7 +135,7 @@ def test_cohort_history_matches_uninterrupted_run(runs):
     assert republished["refused_releases"] == []
     assert s["final_cohorts"] == ref["final_cohorts"]
     assert len(s["final_cohorts"]) == 3  # the drift at round 3 split off two cohorts
-    assert s["ground_truth"]["ari_per_drift_event"] == {"3": 1.0}
+    assert s["sim_truth"]["ari_per_drift_event"] == {"3": 1.0}
     from clma.state import StateStore
 
     reg = StateStore(runs["state"]).load().json("registry.json")
@@ -222,3 +224,24 @@ def test_envelopes_and_alerts_match_uninterrupted_run(runs):
             assert (out / f).read_bytes() == (ref / f).read_bytes(), f
     assert any(f.parts[1] == "round_002" for f in
                (p.relative_to(ref) for p in (ref / "envelopes").rglob("*.json")))
+
+
+def test_devices_kept_their_own_state_like_the_uninterrupted_run(runs):
+    """Each simulated device's round-keyed detector state is in ``<state>.devices`` (one
+    file per client), and after two crashes and the re-run rounds it equals the
+    uninterrupted run's device for device; nothing of it is in the server's state."""
+    tmp = runs["tmp"]
+    crashed, ref = tmp / "state.devices", tmp / "ref-state.devices"
+    # (a SIGKILL during a device's atomic write may leave a temporary file beside it)
+    names = sorted(p.name for p in crashed.glob("client_*.json"))
+    assert names == [f"client_{c:06d}.json" for c in range(load_config(TINY).clients)]
+    assert all(".tmp-" in p.name for p in crashed.iterdir() if p.name not in names)
+    assert sorted(p.name for p in ref.iterdir()) == names
+    for n in names:
+        got, want = (json.loads((d / n).read_text()) for d in (crashed, ref))
+        assert got == want, n
+        assert max(int(r) for r in got["rounds"]) == 4
+    for p in runs["state"].rglob("*"):
+        if p.is_file():
+            data = p.read_bytes()
+            assert b"previous_loss" not in data and b"n_flags" not in data, p

@@ -20,7 +20,7 @@ TINY = Path(__file__).with_name("clma_vs_fedavg_tiny.toml")
 def _summary(per_round, final_stat, final_drift, separated, aris, run_id="r"):
     return {
         "mlflow": {"run_id": run_id},
-        "ground_truth": {
+        "sim_truth": {
             "stationary_final_accuracy": final_stat,
             "drifted_final_accuracy": final_drift,
             "families_separated_every_event": separated,
@@ -145,7 +145,7 @@ def test_method_run_window_mean_and_fields():
     none = cvf.method_run_from_summary(_summary([0.3, None], None, None, False, {}), "x", 0,
                                        (2, 2))
     assert none.stationary_post_drift_accuracy is None and none.drifted_final_accuracy is None
-    with pytest.raises(ValueError, match="ground_truth"):
+    with pytest.raises(ValueError, match="sim_truth"):
         cvf.method_run_from_summary({"mlflow": {}}, "clma", 0, (1, 1))
 
 

@@ -35,35 +35,41 @@ def small_run(tmp_path_factory, prefect_harness):
     return summary, tmp, uri
 
 
-def test_summary_json_schema_and_ground_truth(small_run):
+def test_summary_json_schema_and_sim_truth(small_run):
     summary, tmp, _ = small_run
     on_disk = json.loads((tmp / "out" / "summary.json").read_text())
     assert on_disk == json.loads(json.dumps(summary))
-    assert on_disk["schema"] == "clma.summary/1"
+    assert on_disk["schema"] == "clma.summary/2"
     assert [r["round"] for r in on_disk["rounds"]] == [1, 2, 3, 4, 5]
     assert on_disk["mlflow"]["run_id"]
     assert on_disk["prefect"]["flow_run_id"]
     assert on_disk["region_partition"]["version"] == "1"
     assert len(on_disk["region_partition"]["content_hash"]) == 64
-    gt = on_disk["ground_truth"]
+    gt = on_disk["sim_truth"]
     # the two opposite families at round 3 are separated into their own cohorts
     assert gt["ari_per_drift_event"] == {"3": 1.0}
     assert gt["families_separated_every_event"] is True
-    assert on_disk["rounds"][2]["flagged_clients"] == 6
-    assert on_disk["rounds"][2]["quarantined_clients"] == 6
+    # counts of clients are bands relative to the floor m = 5 (6 flagged: [m, 2m))
+    assert on_disk["federation"]["min_cohort"] == 5
+    assert on_disk["rounds"][2]["flagged_clients"] == "minimum_to_under_double"
+    assert on_disk["rounds"][2]["quarantined_clients"] == "minimum_to_under_double"
     assert len(on_disk["rounds"][2]["new_cohorts"]) == 2
-    assert sum(on_disk["final_cohorts"].values()) == 10
+    # the two families of 3 clients: each new cohort is below the floor, never its count
+    assert {v["band"] for v in on_disk["rounds"][2]["new_cohorts"].values()} == {
+        "below_minimum"}
+    assert set(on_disk["final_cohorts"].values()) <= {"below_minimum", "none",
+                                                       "minimum_to_under_double"}
     assert 0.0 <= gt["stationary_final_accuracy"] <= 1.0
-    # rounds before the drift: one cohort, nobody flagged
-    assert on_disk["rounds"][0]["cohorts"] == {"0": 10}
-    # atypical-client scores per round, id-free: counts and distribution statistics only
+    # rounds before the drift: one cohort of 10 clients ([2m, 4m)), nobody flagged
+    assert on_disk["rounds"][0]["cohorts"] == {"0": "double_to_under_fourfold"}
+    # atypical-client scores per round, id-free: bands and distribution statistics only
     div = on_disk["rounds"][2]["divergence"]
     assert div["signal"] == "representation" and div["action"] == "report"
-    assert div["n_flagged"] == div["representation"]["n_flagged"]
-    assert div["representation"]["n_clients"] == div["parameter"]["n_clients"] == 10
-    assert 0 <= div["quarantined_atypical"] <= 6
-    assert "flagged" not in json.dumps(div).replace("n_flagged", "")
-    assert on_disk["rounds"][1]["flagged_clients"] == 0
+    assert div["n_flagged_band"] == div["representation"]["n_flagged_band"]
+    assert div["representation"]["n_clients_band"] == "double_to_under_fourfold"
+    assert div["quarantined_atypical_band"] in {"none", "below_minimum",
+                                                "minimum_to_under_double"}
+    assert on_disk["rounds"][1]["flagged_clients"] == "none"
 
 
 def test_published_report_has_no_exact_counts(small_run):
@@ -139,7 +145,7 @@ def test_same_seed_same_cohorts_and_numbers(prefect_harness):
     b = federation_flow(cfg)
     strip = lambda s: [{k: v for k, v in r.items() if k != "seconds"} for r in s["rounds"]]  # noqa: E731
     assert strip(a) == strip(b)
-    assert a["ground_truth"] == b["ground_truth"]
+    assert a["sim_truth"] == b["sim_truth"]
 
 
 def test_metric_key_makes_merged_region_names_valid_for_mlflow():

@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 
 from clma.config import load_config
+from clma.engine import FederationEngine
+from clma.sim.clients import SimulatedClients
 from clma.sim.federation import build_federation
 
 SMALL = Path(__file__).parents[1] / "flows" / "small.toml"
@@ -27,16 +29,19 @@ def synced(tmp_path_factory):
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp / 'mlflow.db'}")
     exp = client.create_experiment("lin", artifact_location=(tmp / "art").as_uri())
     parent = client.create_run(exp, run_name="federation").info.run_id
-    fed = build_federation(load_config(SMALL))
-    reg = fed.registry
+    cfg = load_config(SMALL)
+    sim = build_federation(cfg)
+    fed = FederationEngine(cfg, sim.assets(), SimulatedClients(sim))  # the server's engine
+    reg = fed.state.registry
     name = registered_model_name(fed.config)
     lt = CohortLineageTracker(client, exp, parent, name)
     docs = {}
 
     def models(rnd, frozen=()):  # every active cohort's model changes, except `frozen`
-        fed.cohort_models = {
-            c: fed.cohort_models[c] if c in frozen
-            else np.full(fed.initial_model.shape, 0.01 * c + 0.001 * rnd, np.float32)
+        st = fed.state
+        st.cohort_models = {
+            c: st.cohort_models[c] if c in frozen
+            else np.full(fed.assets.initial_model.shape, 0.01 * c + 0.001 * rnd, np.float32)
             for c in reg.active_cohorts()}
 
     docs[1] = lt.sync_round(fed, 1)                                  # root 0 only
@@ -63,7 +68,7 @@ def test_documented_descendants_filter_finds_every_descendant(synced):
     assert descendants_filter(3) == "tags.`clma.cohort.ancestor.3` = 'true'"
     for cid in range(5):
         runs = client.search_runs([exp], filter_string=f"tags.`clma.cohort.ancestor.{cid}` = 'true'")
-        assert _ids(runs) == fed.registry.descendants(cid)
+        assert _ids(runs) == fed.state.registry.descendants(cid)
     assert _ids(client.search_runs([exp], descendants_filter(1, parent))) == [3, 4]
     assert _ids(client.search_runs([exp], descendants_filter(0))) == [1, 2, 3, 4]
     assert client.search_runs([exp], descendants_filter(4)) == []
@@ -103,15 +108,16 @@ def test_models_registered_with_cohort_alias_and_loadable(synced, monkeypatch):
     from clma.params import AllParams, vector_to_model
 
     client, exp, parent, fed, lt, docs, name = synced
-    for cid in fed.registry.active_cohorts():
+    for cid in fed.state.registry.active_cohorts():
         mv = client.get_model_version_by_alias(name, f"cohort-{cid}")
         assert mv.tags["clma.cohort.id"] == str(cid)
     mv4 = client.get_model_version_by_alias(name, "cohort-4")
     assert mv4.tags["clma.round"] == "4"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", client._tracking_client.tracking_uri)
     model = mlflow.pytorch.load_model(f"models:/{name}@cohort-4")
-    x = torch.rand(5, fed.spec.n_features)
-    ref = vector_to_model(fed.cohort_models[4], fed.spec.build(seed=0), AllParams()).eval()
+    spec = fed.assets.model_spec
+    x = torch.rand(5, spec.n_features)
+    ref = vector_to_model(fed.state.cohort_models[4], spec.build(seed=0), AllParams()).eval()
     with torch.no_grad():
         np.testing.assert_allclose(model(x).numpy(), ref(x).numpy(), rtol=1e-5, atol=1e-6)
     # cohort 1 changed its model in rounds 2 and 3 -> two versions; alias on the later one

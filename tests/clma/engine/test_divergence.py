@@ -1,6 +1,7 @@
-"""score_divergence_task: every client scored against its cohort's start model on the
-federation's probe set, leave-one-out parameter baseline, and the action's FedAvg weights
-reaching aggregation. Runs the task's function (``.fn``) on a tiny federation, no Prefect."""
+"""clma.engine.divergence.score_divergence: every client scored against its cohort's start
+model on the server's probe set, leave-one-out parameter baseline, and the action's FedAvg
+weights reaching the engine's aggregation step. Updates come from simulated clients
+through the Clients seam; no Prefect."""
 
 from __future__ import annotations
 
@@ -11,43 +12,56 @@ import pytest
 import torch
 
 from clma.config import validate_config
-from clma.divergence import activation_patterns, affinities, hierarchical_divergence
+from clma.divergence import (
+    activation_patterns,
+    affinities,
+    hierarchical_divergence,
+    probe_digest,
+)
+from clma.engine import FederationEngine
+from clma.engine.divergence import aggregation_weights, flagged_by, score_divergence
 from clma.params import AllParams, model_to_vector, vector_to_model
 from clma.rounds import ClientUpdate, fedavg
-from clma.sim.federation import build_federation, train_clients
-from tasks.divergence import (
-    aggregation_weights,
-    flagged_by,
-    probe_sha256,
-    score_divergence_task,
-)
-from tasks.round import aggregate_task
+from clma.sim.clients import SimulatedClients
+from clma.sim.federation import build_federation
 
 N_CLIENTS = 8
 ODD = 3  # the client whose first layer is re-randomised
 
 
-def _fed(action: str = "report", clients: int = N_CLIENTS, signal: str = "representation"):
-    cfg = validate_config({
+def _config(action: str = "report", clients: int = N_CLIENTS, signal: str = "representation"):
+    return validate_config({
         "name": "div-task", "seed": 5, "rounds": 2, "clients": clients,
         "data": {"probe_size": 48},
         "training": {"local_epochs": 1},
         "divergence": {"action": action, "z_threshold": 3.0, "beta": 1.0, "signal": signal},
-        "tracking": {"enabled": False},
+        "tracking": {"enabled": False}, "budget": {"enabled": False},
     })
-    return build_federation(cfg)
 
 
-def _updates(fed) -> list[ClientUpdate]:
-    ids = fed.client_ids
-    res = train_clients([fed.clients[c] for c in ids], fed.models_for(ids), {c: 0 for c in ids},
-                        fed.spec, fed.config.training, fed.config.drift.gamma, fed.config.seed, 1)
-    return [r.update for r in res]
+def _fed(action: str = "report", clients: int = N_CLIENTS, signal: str = "representation"):
+    """The server's engine of the tiny federation over its simulated clients."""
+    cfg = _config(action, clients, signal)
+    sim = build_federation(cfg)
+    return FederationEngine(cfg, sim.assets(), SimulatedClients(sim))
+
+
+def _updates(engine) -> list[ClientUpdate]:
+    """Round 1's updates of every client, trained on the devices through the seam."""
+    ctx = engine.begin_round(1)
+    engine.accept(ctx, [engine.train(ctx)])
+    assert ctx.failed == {}
+    return ctx.updates
+
+
+def _score(engine, updates, start, round_number):
+    return score_divergence(engine.config.divergence, engine.assets, updates, start,
+                            round_number)
 
 
 def _rerandomise_first_layer(fed, params: np.ndarray, seed: int) -> np.ndarray:
-    model = vector_to_model(params, fed.spec.build(), AllParams())
-    fresh = fed.spec.build(seed=seed)
+    model = vector_to_model(params, fed.assets.model_spec.build(), AllParams())
+    fresh = fed.assets.model_spec.build(seed=seed)
     with torch.no_grad():
         model[1].weight.copy_(fresh[1].weight)  # model[0] is Flatten, model[1] the first Linear
         model[1].bias.copy_(fresh[1].bias)
@@ -62,8 +76,8 @@ def scored():
     updates[ODD] = ClientUpdate(odd.client_id, odd.cohort_id,
                                 _rerandomise_first_layer(fed, odd.params, 1234),
                                 odd.n_samples, odd.drift_flag)
-    start = dict(fed.cohort_models)
-    out = score_divergence_task.fn(fed, updates, start, 1)
+    start = dict(fed.state.cohort_models)
+    out = _score(fed, updates, start, 1)
     return fed, updates, start, out
 
 
@@ -81,10 +95,12 @@ def test_rerandomised_first_layer_is_flagged_by_representation(scored):
 
 def test_representation_score_is_the_library_divergence_to_the_start_model(scored):
     fed, updates, start, out = scored
-    ref = vector_to_model(start[0], fed.spec.build(), AllParams())
-    local = vector_to_model(updates[0].params, fed.spec.build(), AllParams())
-    k_ref = affinities(activation_patterns(ref, fed.probe_x))
-    k_loc = affinities(activation_patterns(local, fed.probe_x))
+    spec, probe = fed.clients.federation.spec, fed.clients.federation.probe_x  # the server's assets are the world's
+    assert fed.assets.probe_x is probe
+    ref = vector_to_model(start[0], spec.build(), AllParams())
+    local = vector_to_model(updates[0].params, spec.build(), AllParams())
+    k_ref = affinities(activation_patterns(ref, probe))
+    k_loc = affinities(activation_patterns(local, probe))
     expected = hierarchical_divergence(k_ref, k_loc, beta=1.0)
     assert out.representation.scores[0] == pytest.approx(expected, rel=1e-12)
     # robust z against the literal formula across the round's clients
@@ -110,7 +126,7 @@ def test_parameter_baseline_is_leave_one_out_cosine(scored):
 def test_summary_has_no_client_ids_and_records_probe(scored):
     fed, _, _, out = scored
     s = out.summary()
-    assert s["probe_sha256"] == probe_sha256(fed) and len(s["probe_sha256"]) == 64
+    assert s["probe_sha256"] == probe_digest(fed.clients.federation.probe_x) and len(s["probe_sha256"]) == 64
     assert s["representation"]["n_flagged"] == 1
     assert s["representation"]["n_clients"] == N_CLIENTS
     assert s["parameter"]["leave_one_out"] is True
@@ -124,29 +140,39 @@ def test_each_client_is_scored_against_its_own_cohort_start_model(scored):
     # client 0 starts from cohort 7 whose model is exactly its local model: D = 0
     u0 = updates[0]
     moved = [ClientUpdate(0, 7, u0.params, u0.n_samples, False), *updates[1:]]
-    out = score_divergence_task.fn(fed, moved, {**start, 7: u0.params.copy()}, 2)
+    out = _score(fed, moved, {**start, 7: u0.params.copy()}, 2)
     assert out.representation.scores[0] == 0.0
     assert out.cohorts[0] == 7
     assert out.representation.scores[1] > 0.0
     with pytest.raises(ValueError, match="start_models"):
-        score_divergence_task.fn(fed, moved, start, 2)
+        _score(fed, moved, start, 2)
+
+
+def _aggregate(engine, updates, start):
+    """The engine's steps 4-5 on a round context holding ``updates``: divergence scores,
+    then FedAvg per cohort (with the action's weights). Returns (outcome, cohort 0 model)."""
+    ctx = engine.begin_round(1)
+    ctx.start_models, ctx.updates = dict(start), list(updates)
+    div = engine.score_divergence(ctx)
+    return div, engine.aggregate(ctx)[0]
 
 
 @pytest.mark.parametrize("action, factor", [("exclude", 0.0), ("downweight", 0.5)])
 def test_action_weights_reach_aggregation(scored, action, factor):
     _, updates, start, _ = scored
-    fed = _fed(action)
-    out = score_divergence_task.fn(fed, updates, start, 1)
+    out, agg = _aggregate(_fed(action), updates, start)
     assert out.flagged == [ODD]
     assert out.weights == {ODD: factor}
-    agg = aggregate_task.fn(updates, [], start, out.weights)[0]
     w = [u.n_samples * (factor if u.client_id == ODD else 1.0) for u in updates]
     np.testing.assert_array_equal(agg, fedavg([u.params for u in updates], w))
     if action == "exclude":
         others = [u for u in updates if u.client_id != ODD]
         np.testing.assert_array_equal(
             agg, fedavg([u.params for u in others], [u.n_samples for u in others]))
-    plain = aggregate_task.fn(updates, [], start, None)[0]
+    report, plain = _aggregate(_fed("report"), updates, start)
+    assert report.weights is None
+    np.testing.assert_array_equal(plain, fedavg([u.params for u in updates],
+                                                [u.n_samples for u in updates]))
     assert not np.array_equal(agg, plain)
 
 
@@ -172,7 +198,7 @@ def test_flagged_by_rules():
 @pytest.mark.parametrize("signal", ["representation", "parameter", "either", "both"])
 def test_signal_picks_whose_flags_drive_the_action(scored, signal):
     _, updates, start, base = scored
-    out = score_divergence_task.fn(_fed("exclude", signal=signal), updates, start, 1)
+    out = _score(_fed("exclude", signal=signal), updates, start, 1)
     want = flagged_by(signal, base.representation, base.parameter)
     assert out.flagged == want
     assert out.weights == (dict.fromkeys(want, 0.0) or None)
@@ -202,7 +228,7 @@ def test_aggregation_weights_rules():
 def test_fewer_than_three_clients_flag_nobody():
     fed = _fed("exclude", clients=2)
     updates = _updates(fed)
-    out = score_divergence_task.fn(fed, updates, dict(fed.cohort_models), 1)
+    out = _score(fed, updates, dict(fed.state.cohort_models), 1)
     assert out.flagged == [] and out.weights is None
     assert all(math.isnan(z) for z in out.representation.z.values())
     assert out.representation.scale_rule == "too_few_clients"
@@ -212,6 +238,6 @@ def test_fewer_than_three_clients_flag_nobody():
 def test_bad_input_is_one_clear_error(scored):
     fed, updates, start, _ = scored
     with pytest.raises(ValueError, match="updates"):
-        score_divergence_task.fn(fed, [], start, 1)
+        _score(fed, [], start, 1)
     with pytest.raises(ValueError, match="distinct"):
-        score_divergence_task.fn(fed, [updates[0], updates[0]], start, 1)
+        _score(fed, [updates[0], updates[0]], start, 1)

@@ -1,101 +1,78 @@
 """A round re-run after a crash (Prefect retry, ``clma run --resume``) republishes exactly
 what the ledger committed: same report, byte-identical envelopes, same alert decisions,
-and not one noise draw (tasks/budget.py ``budgeted_evaluation`` -> tasks/evaluate.py
-``restore_planned``)."""
+and not one noise draw (clma.engine.budget ``budgeted_evaluation`` ->
+``PrivateEvaluator.restore``). Library calls: the engine over simulated clients, a fresh
+engine restored from the state snapshot for the re-run."""
 
 from __future__ import annotations
 
 import json
-import re
 import sqlite3
 from pathlib import Path
 
 import pytest
 
 from clma.config import BudgetConfig, load_config
+from clma.engine import open_budget
+from clma.engine.budget import charge_plans
+from clma.engine.state import restore_files, snapshot_files
 from clma.release.alerts import AlertBaseline
-from clma.sim.federation import build_federation, evaluate_clients
 
-SMALL = Path(__file__).parents[1] / "flows" / "small.toml"
-SHIPPED = Path(__file__).parents[2] / "clma" / "policy" / "privacy_policy_v1.toml"
+SMALL = Path(__file__).parents[2] / "flows" / "small.toml"
 
 
-def wide_policy(tmp: Path) -> Path:
-    """The shipped policy with room for large epsilons and regional releases every round."""
-    text = SHIPPED.read_text()
-    text = re.sub(r"(?m)^epsilon_per_client_per_epoch = .*$",
-                  "epsilon_per_client_per_epoch = 100000.0", text)
-    text = re.sub(r"(?m)^regional_cadence_rounds = .*$", "regional_cadence_rounds = 1", text)
-    p = tmp / "policy_wide.toml"
-    p.write_text(text)
-    return p
-
-
-def make_fed(tmp: Path, **evaluation):
+@pytest.fixture
+def republish_config(tmp_path, write_policy):
     """The small federation with OpenDP noise (a second draw would change every value),
     large epsilons (tight error bars, so alerts are decided by the values), simulated
-    dropouts (health) and the error histogram released every evaluation."""
+    dropouts (health) and the error histogram released every evaluation; the shipped
+    policy with room for large epsilons and regional releases every round."""
     cfg = load_config(SMALL).with_overrides(rounds=3, clients=30)
     ev = {"noise_seeded": False, "epsilon": 50.0, "health_epsilon": 50.0,
-          "bounds_every": 1, "dropout_rate": 0.15, **evaluation}
-    cfg = cfg.model_copy(update={
-        "budget": BudgetConfig(state_dir=str(tmp / "state"), policy=str(wide_policy(tmp))),
+          "bounds_every": 1, "dropout_rate": 0.15}
+    policy = write_policy(epsilon_per_client_per_epoch=100000.0, regional_cadence_rounds=1)
+    return cfg.model_copy(update={
+        "budget": BudgetConfig(state_dir=str(tmp_path / "state"), policy=str(policy)),
         "evaluation": cfg.evaluation.model_copy(update=ev),
         "tracking": cfg.tracking.model_copy(update={"enabled": False}),
     })
-    return build_federation(cfg)
-
-
-def evaluations(fed):
-    ids = fed.client_ids
-    return evaluate_clients([fed.clients[c] for c in ids], fed.models_for(ids),
-                            {c: fed.registry.cohort_of(c) for c in ids}, fed.spec,
-                            fed.config.evaluation.loss_max)
-
-
-def _round(fed, budget, evs, r):
-    from tasks.budget import budgeted_evaluation
-    from tasks.evaluate import finish_evaluation
-
-    view = budgeted_evaluation(fed, budget, evs, r, gate=None)
-    return view, finish_evaluation(fed, fed.client_ids, r, budget_view=view)
 
 
 def _without_budget(published):
     return {k: v for k, v in published.items() if k != "budget"}
 
 
-def _crash_and_rerun(tmp_path, sampler_spy, *, rewrite=None):
+@pytest.fixture
+def crash_and_rerun(republish_config, make_engine, evaluate_round):
     """Round 1, then round 2 with baselines forced so alerts fire, then round 2 again
-    from the state before it (fresh round context, fresh ledger handle)."""
-    from tasks.budget import open_budget
-    from tasks.evaluate import EvaluationState, evaluation_state
+    from the state before it (fresh engine restored from the snapshot, fresh ledger
+    handle, fresh simulated clients)."""
 
-    fed = make_fed(tmp_path)
-    evs = evaluations(fed)
-    budget = open_budget(fed.config)
-    _round(fed, budget, evs, 1)
-    state = evaluation_state(fed)
-    # baselines no published value can be within the bars of: every scalar alert fires
-    for key, b in list(state.baselines.baselines.items()):
-        far = 1.0 if b.metric == "accuracy" else 0.0
-        state.baselines.baselines[key] = AlertBaseline(
-            **{**b.model_dump(), "value": far, "error_bar": 0.0})
-    before = state.to_dict()
-    view1, out1 = _round(fed, budget, evs, 2)
-    after1 = evaluation_state(fed).to_dict()
-    drawn = len(sampler_spy)
-    if rewrite is not None:
-        rewrite(budget.ledger.path)
-    # the process died after the ledger commits, before the durable-state commit: a new
-    # process restores the federation as it was before round 2 and runs round 2 again
-    fed.evaluation_state = EvaluationState.from_dict(before)
-    fed._evaluation_round = None
-    view2, out2 = _round(fed, open_budget(fed.config), evs, 2)
-    return view1, out1, after1, drawn, view2, out2, evaluation_state(fed).to_dict()
+    def run(rewrite=None):
+        cfg = republish_config
+        engine = make_engine(cfg, budget=True)
+        evaluate_round(engine, 1)
+        state = engine.evaluator.state
+        # baselines no published value can be within the bars of: every scalar alert fires
+        for key, b in list(state.baselines.baselines.items()):
+            far = 1.0 if b.metric == "accuracy" else 0.0
+            state.baselines.baselines[key] = AlertBaseline(
+                **{**b.model_dump(), "value": far, "error_bar": 0.0})
+        before = snapshot_files(engine.state)
+        view1, out1 = evaluate_round(engine, 2)
+        after1 = engine.evaluator.state.to_dict()
+        if rewrite is not None:
+            rewrite(engine.budget.ledger.path)
+        # the process died after the ledger commits, before the durable-state commit: a
+        # new process restores the server as it was before round 2 and runs round 2 again
+        again = make_engine(cfg, budget=open_budget(cfg), state=restore_files(before, 1))
+        view2, out2 = evaluate_round(again, 2)
+        return view1, out1, after1, view2, out2, again.evaluator.state.to_dict()
+
+    return run
 
 
-def _check_same_round(view1, out1, after1, drawn, view2, out2, after2, sampler_spy):
+def _check_same_round(view1, out1, after1, view2, out2, after2, *, drawn, sampler_spy):
     assert len(sampler_spy) == drawn, "the re-run drew noise"
     assert view2["budget"]["released"] == []
     assert view2["budget"]["republished"] == view1["budget"]["released"]
@@ -121,18 +98,26 @@ def _check_same_round(view1, out1, after1, drawn, view2, out2, after2, sampler_s
         assert "contributors" not in doc
 
 
-def test_rerun_republishes_the_committed_report_without_noise(tmp_path, prefect_harness,
-                                                              sampler_spy):
-    _check_same_round(*_crash_and_rerun(tmp_path, sampler_spy), sampler_spy)
+def test_rerun_republishes_the_committed_report_without_noise(crash_and_rerun, sampler_spy):
+    drawn_by = {}
+
+    def rewrite(path):  # called between the first run and the re-run
+        drawn_by["first"] = len(sampler_spy)
+
+    res = crash_and_rerun(rewrite)
+    assert drawn_by["first"] > 0
+    _check_same_round(*res, drawn=drawn_by["first"], sampler_spy=sampler_spy)
 
 
-def test_rerun_with_a_ledger_written_by_the_previous_format(tmp_path, prefect_harness,
-                                                            sampler_spy):
+def test_rerun_with_a_ledger_written_by_the_previous_format(crash_and_rerun, sampler_spy):
     """A ledger that stored the published view ``{"releases": {group: published}}`` (the
     format before server-side payloads) is republished the same way."""
     from clma.release.aggregate import AggregatedMetric, AggregatedVector
 
+    drawn_by = {}
+
     def to_old_format(path):
+        drawn_by["first"] = len(sampler_spy)
         con = sqlite3.connect(path)
         with con:
             rows = con.execute("SELECT id, release, result FROM charges WHERE round = 1").fetchall()
@@ -150,20 +135,17 @@ def test_rerun_with_a_ledger_written_by_the_previous_format(tmp_path, prefect_ha
                             (json.dumps({"releases": old}), rid))
         con.close()
 
-    _check_same_round(*_crash_and_rerun(tmp_path, sampler_spy, rewrite=to_old_format),
-                      sampler_spy)
+    res = crash_and_rerun(to_old_format)
+    _check_same_round(*res, drawn=drawn_by["first"], sampler_spy=sampler_spy)
 
 
-def test_committed_payload_is_server_side_and_restored_exactly(tmp_path, prefect_harness):
+def test_committed_payload_is_server_side_and_restored_exactly(republish_config, make_engine,
+                                                               evaluate_round):
     """The ledger holds the server-side results (exact counts: ledger state, never
     published); the round's published values are those of the stored payload."""
-    from tasks.budget import open_budget
-
-    fed = make_fed(tmp_path)
-    evs = evaluations(fed)
-    budget = open_budget(fed.config)
-    _, out = _round(fed, budget, evs, 1)
-    con = sqlite3.connect(budget.ledger.path)
+    engine = make_engine(republish_config, budget=True)
+    _, out = evaluate_round(engine, 1)
+    con = sqlite3.connect(engine.budget.ledger.path)
     stored = dict(con.execute("SELECT release, result FROM charges WHERE round = 0"))
     con.close()
     acc = json.loads(stored["global.accuracy"])
@@ -174,55 +156,50 @@ def test_committed_payload_is_server_side_and_restored_exactly(tmp_path, prefect
     assert hist["values"] == out.server["error_histogram|global"].values
 
 
-def test_restore_refuses_an_unknown_payload(tmp_path, prefect_harness):
-    from tasks.budget import planned_releases
-    from tasks.evaluate import restore_planned
-
-    fed = make_fed(tmp_path)
-    plan = next(p for p in planned_releases(fed, 1) if p.name == "global.accuracy")
+def test_restore_refuses_an_unknown_payload(republish_config, make_engine, secure_sums):
+    engine = make_engine(republish_config)
+    ev = engine.evaluator.open_round(secure_sums(engine, 1))
+    assert "global.accuracy" in {p.name for p in charge_plans(engine.evaluator)}
     with pytest.raises(ValueError, match="unknown stored payload format"):
-        restore_planned(fed, evaluations(fed), 1, plan, {"format": "other/9", "server": {}})
+        engine.evaluator.restore(ev, "global.accuracy", {"format": "other/9", "server": {}})
     with pytest.raises(ValueError, match="not planned in this round"):
-        restore_planned(fed, evaluations(fed), 1, plan, {"releases": {"nowhere": {}}})
+        engine.evaluator.restore(ev, "global.accuracy", {"releases": {"nowhere": {}}})
+    assert ev.draws.made == []  # nothing recorded by the refused restores
 
 
-def test_rerun_after_a_crash_in_the_middle_of_a_round(tmp_path, prefect_harness, sampler_spy,
-                                                      monkeypatch):
+def test_rerun_after_a_crash_in_the_middle_of_a_round(republish_config, make_engine,
+                                                      evaluate_round, sampler_spy):
     """Killed after two of the round's entries were committed: the re-run republishes
     those two (no noise), draws the others once, and publishes a complete report whose
     republished values are the committed ones."""
-    import tasks.budget as tb
-    from tasks.budget import open_budget, planned_releases
-    from tasks.evaluate import EvaluationState, evaluation_state
+    from clma.engine.budget import direct_step
 
-    fed = make_fed(tmp_path)
-    evs = evaluations(fed)
-    before = evaluation_state(fed).to_dict()
-    real, calls = tb._draw_release, []
+    cfg = republish_config
+    engine = make_engine(cfg, budget=True)
+    before = snapshot_files(engine.state)
+    calls = []
 
-    def crashing(*a, **kw):
-        if len(calls) == 2:
-            raise RuntimeError("process killed")
-        calls.append(1)
-        return real(*a, **kw)
+    def crashing(name, fn, *a, **kw):  # the orchestrator's step runner; the process dies
+        if name == "release-evaluation":
+            if len(calls) == 2:
+                raise RuntimeError("process killed")
+            calls.append(name)
+        return direct_step(name, fn, *a, **kw)
 
-    monkeypatch.setattr(tb, "_draw_release", crashing)
     with pytest.raises(RuntimeError, match="process killed"):
-        _round(fed, open_budget(fed.config), evs, 1)
-    monkeypatch.setattr(tb, "_draw_release", real)
-    budget = open_budget(fed.config)
+        evaluate_round(engine, 1, step=crashing)
+    budget = open_budget(cfg)
     committed = {e["release"] for e in budget.ledger.entries() if e["status"] == "committed"}
     assert committed == {"global.accuracy", "global.mean_loss"}
     con = sqlite3.connect(budget.ledger.path)
     stored = {k: json.loads(v) for k, v in con.execute(
         "SELECT release, result FROM charges WHERE status = 'committed'")}
     con.close()
-    fed.evaluation_state = EvaluationState.from_dict(before)
-    fed._evaluation_round = None
+    again = make_engine(cfg, budget=budget, state=restore_files(before, 0))
     n = len(sampler_spy)
-    view, out = _round(fed, budget, evs, 1)
+    view, out = evaluate_round(again, 1)
     assert sorted(view["budget"]["republished"]) == sorted(committed)
-    names = [p.name for p in planned_releases(fed, 1)]
+    names = [p.name for p in charge_plans(again.evaluator)]
     assert sorted(view["budget"]["released"]) == sorted(set(names) - committed)
     # one draw per group of the entries not committed (histogram: one sampler call)
     assert len(sampler_spy) - n == sum(

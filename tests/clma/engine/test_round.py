@@ -1,0 +1,117 @@
+"""clma.engine.round: the bare engine loop. Its result does not depend on how the training
+call is chunked; selection is seeded; the first quarantine fixes the merge reference; a
+round's steps can be driven one by one (what the Prefect flow and a Flower strategy do)
+with the same outcome as ``run_round``. The flow's parity with the bare loop is
+tests/flows/test_engine_parity.py (slow)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from clma.engine.state import snapshot_files
+
+DRIFT = {"events": [
+    {"round": 2, "kind": "label_rotation", "shift": 1, "family": "plus", "clients": [0, 2, 4]},
+    {"round": 2, "kind": "label_rotation", "shift": -1, "family": "minus", "clients": [1, 3, 5]},
+]}
+
+
+FLAGS = {2: range(6)}  # the drifted clients raise their flag at round 2
+
+
+@pytest.fixture
+def drift_config(tiny_config):
+    """12 clients, a drift at round 2 (two opposite families, flagged by their devices),
+    seeded noise, simulated dropouts, every evaluation released."""
+    return tiny_config(clients=12, rounds=2, drift=DRIFT, training={"local_epochs": 1},
+                       model={"hidden": [32]}, evaluation={"min_cohort": 2, "dropout_rate": 0.1})
+
+
+def _run(engine, rounds, **kw):
+    return [engine.run_round(r, **kw) for r in rounds]
+
+
+def _comparable(res):
+    return {"round": res.round, "cohorts": res.cohorts, "flagged": res.flagged,
+            "quarantined": res.quarantined, "new_cohorts": res.new_cohorts,
+            "merges": res.merges, "regional": json.dumps(res.regional, sort_keys=True),
+            "divergence": res.divergence, "participants": res.participants,
+            "dropouts": res.dropouts,
+            "envelopes": None if res.evaluation is None else res.evaluation.envelopes}
+
+
+def test_result_does_not_depend_on_the_chunk_size(drift_config, make_engine):
+    one, eight = make_engine(drift_config, flags=FLAGS), make_engine(drift_config, flags=FLAGS)
+    a = _run(one, (1, 2), chunk_size=1)
+    b = _run(eight, (1, 2), chunk_size=8)
+    assert [_comparable(x) for x in a] == [_comparable(x) for x in b]
+    assert a[1].quarantined == 6 and len(a[1].new_cohorts) == 2  # a real cohorting round
+    assert a[0].evaluation is not None and a[0].regional["metrics"]["accuracy"]["global"]
+    fa, fb = snapshot_files(one.state), snapshot_files(eight.state)
+    assert fa["registry.json"] == fb["registry.json"]
+    assert fa["evaluation.json"] == fb["evaluation.json"]
+    assert sorted(one.state.cohort_models) == sorted(eight.state.cohort_models)
+    for c, v in one.state.cohort_models.items():
+        assert v.tobytes() == eight.state.cohort_models[c].tobytes()
+    assert one.state.merge_reference.tobytes() == eight.state.merge_reference.tobytes()
+
+
+def test_steps_one_by_one_equal_run_round(drift_config, make_engine):
+    """The flow's recipe (begin, train per chunk, accept, after_training, secure sums,
+    evaluate, finish) is run_round."""
+    bare, steps = make_engine(drift_config, flags=FLAGS), make_engine(drift_config, flags=FLAGS)
+    want = _run(bare, (1,))[0]
+    ctx = steps.begin_round(1)
+    chunks = [ctx.selected[i:i + 5] for i in range(0, len(ctx.selected), 5)]
+    steps.accept(ctx, [steps.train(ctx, c) for c in reversed(chunks)])  # any order
+    steps.after_training(ctx)
+    assert steps.evaluation_due(1)
+    steps.evaluate(ctx, steps.secure_sums(ctx))
+    got = steps.finish(ctx)
+    assert _comparable(got) == _comparable(want)
+    assert steps.state.rounds_done == bare.state.rounds_done == 1
+    assert steps.state.cohort_models[0].tobytes() == bare.state.cohort_models[0].tobytes()
+
+
+def test_selection_is_seeded_and_sized_by_participation(tiny_config, make_engine):
+    engine = make_engine(tiny_config(training={"participation": 0.35}))
+    picks = [engine.select(r) for r in (1, 2, 3)]
+    assert all(len(p) == 7 for p in picks)  # ceil(0.35 * 20)
+    assert all(len(set(p)) == 7 and set(p) <= set(range(20)) for p in picks)
+    assert picks[0] != picks[1]
+    again = make_engine(tiny_config(training={"participation": 0.35}))
+    assert [again.select(r) for r in (1, 2, 3)] == picks
+    ctx = engine.begin_round(2)
+    assert ctx.selected == picks[1] and ctx.assignments == dict.fromkeys(picks[1], 0)
+    assert ctx.start_models[0] is not engine.state.cohort_models[0]  # a copy
+    with pytest.raises(ValueError, match="round_number"):
+        engine.begin_round(0)
+
+
+def test_first_quarantine_fixes_the_merge_reference(drift_config, make_engine):
+    cfg = drift_config.model_copy(update={
+        "divergence": drift_config.divergence.model_copy(update={"enabled": False}),
+        "evaluation": drift_config.evaluation.model_copy(update={"every": 5})})
+    engine = make_engine(cfg, flags=FLAGS)
+    first = engine.run_round(1)
+    assert first.quarantined == 0 and engine.state.merge_reference is None
+    model_after_1 = engine.state.cohort_models[0].copy()
+    engine.run_round(2)
+    # the start model of the first quarantined client's cohort: round 2's start model
+    assert engine.state.merge_reference.tobytes() == model_after_1.tobytes()
+
+
+def test_plain_fedavg_quarantines_nobody(tiny_config, make_engine):
+    cfg = tiny_config(clients=12, rounds=2, drift=DRIFT, training={"local_epochs": 1},
+                      model={"hidden": [32]}, cohort={"enabled": False},
+                      divergence={"enabled": False}, evaluation={"every": 5})
+    engine = make_engine(cfg, flags=FLAGS)
+    res = _run(engine, (1, 2))
+    assert res[1].flagged == 6  # the devices still flag
+    assert [r.quarantined for r in res] == [0, 0] and res[1].cohorts == {0: 12}
+    assert [r.evaluation for r in res] == [None, None]  # evaluation every 5 rounds
+    assert engine.state.merge_reference is None
+    np.testing.assert_array_equal(sorted(engine.state.cohort_models), [0])

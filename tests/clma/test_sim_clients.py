@@ -1,0 +1,148 @@
+"""clma.sim.clients: the in-process transport. Each simulated device keeps its own
+detector state (DeviceStore: memory, or one JSON file per client in the devices' own
+folder), plays only its own clients, and a device that fails at any step is that step's
+failure for that client, never an exception for the others."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from clma.config import validate_config
+from clma.engine import FederationEngine, TrainRequest, TrainSettings
+from clma.privacy.secagg import UnmaskingRequest
+from clma.sim.clients import DeviceStore, SimulatedClients
+from clma.sim.federation import build_federation
+
+CFG = validate_config({
+    "name": "sim-clients", "seed": 2, "rounds": 3, "clients": 6,
+    "data": {"probe_size": 32}, "model": {"hidden": [16]},
+    "training": {"local_epochs": 1},
+    "drift": {"events": [{"round": 3, "kind": "label_rotation", "shift": 4, "family": "p",
+                          "clients": [1, 4]}]},
+    "tracking": {"enabled": False}, "budget": {"enabled": False},
+})
+SETTINGS = TrainSettings(local_epochs=3, learning_rate=0.3, batch_size=16, drift_gamma=0.2)
+
+
+@pytest.fixture(scope="module")
+def fed():
+    return build_federation(CFG)
+
+
+def _round(clients, fed, r, models=None):
+    req = TrainRequest(r, dict.fromkeys(fed.client_ids, 0),
+                       {0: fed.initial_model if models is None else models},
+                       SETTINGS)
+    out = clients.train(req)
+    assert out.failed == {}
+    return out.ok
+
+
+def _fedavg(ok):
+    from clma.rounds import fedavg
+
+    return fedavg([u.params for u in ok.values()], [u.n_samples for u in ok.values()])
+
+
+def test_device_state_survives_a_new_transport_object(fed, tmp_path):
+    devices = tmp_path / "devices"
+    ref = SimulatedClients(fed)  # memory only, one object for all rounds
+    first = SimulatedClients(fed, device_dir=devices)
+    m_ref = m = fed.initial_model
+    for r in (1, 2):
+        m_ref, m = _fedavg(_round(ref, fed, r, m_ref)), _fedavg(_round(first, fed, r, m))
+    assert sorted(p.name for p in devices.iterdir()) == [f"client_{c:06d}.json"
+                                                         for c in fed.client_ids]
+    for c in fed.client_ids:
+        doc = json.loads((devices / f"client_{c:06d}.json").read_text())
+        assert sorted(doc["rounds"]) == ["1", "2"]
+        assert doc == ref.store.load(c).to_dict()
+    # a new transport object (a restarted simulation process) reads each device's state
+    second = SimulatedClients(fed, device_dir=devices)
+    got, want = _round(second, fed, 3, m), _round(ref, fed, 3, m_ref)
+    assert {c: u.drift_flag for c, u in got.items()} == {c: u.drift_flag for c, u in want.items()}
+    assert {c for c, u in got.items() if u.drift_flag} == {1, 4}  # the drift is detected
+    for c in fed.client_ids:
+        assert got[c].params.tobytes() == want[c].params.tobytes()
+        assert second.store.load(c).to_dict() == ref.store.load(c).to_dict()
+    # ... whereas a device that lost its state cannot flag (its first observation)
+    amnesic = _round(SimulatedClients(fed), fed, 3, m)
+    assert not any(u.drift_flag for u in amnesic.values())
+
+
+def test_memory_only_devices_write_nothing(fed, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    clients = SimulatedClients(fed)
+    _round(clients, fed, 1)
+    assert clients.store.root is None and list(tmp_path.iterdir()) == []
+    assert clients.store.load(0).rounds == [1]
+
+
+def test_device_store_writes_atomically_and_reads_back(tmp_path):
+    from clma.drift import RoundKeyedState
+
+    store = DeviceStore(tmp_path / "d")
+    st = RoundKeyedState()
+    st.record(3, {"kind": "LossThresholdDetector", "gamma": 0.5, "previous_loss": 1.0,
+                  "n_updates": 1, "n_flags": 0})
+    store.save(12, st)
+    assert [p.name for p in (tmp_path / "d").iterdir()] == ["client_000012.json"]  # no tmp
+    assert DeviceStore(tmp_path / "d").load(12).to_dict() == st.to_dict()
+    assert DeviceStore(tmp_path / "d").load(13).rounds == []  # a device without state
+
+
+def test_a_transport_plays_only_its_own_clients(fed):
+    part = SimulatedClients(fed, client_ids=[4, 0])
+    assert part.roster().client_ids == [0, 4]
+    assert part.roster().region_of() == {0: fed.clients[0].region, 4: fed.clients[4].region}
+    req = TrainRequest(1, {0: 0, 1: 0, 4: 0}, {0: fed.initial_model}, SETTINGS)
+    out = part.train(req)
+    assert sorted(out.ok) == [0, 4] and out.failed == {1: "not a client of this transport"}
+    with pytest.raises(ValueError, match="client_ids: not clients of the federation"):
+        SimulatedClients(fed, client_ids=[0, 99])
+
+
+class Failing:
+    """A device whose local model fails (out of memory, a corrupted shard...)."""
+
+    def fit(self, *a):
+        raise MemoryError("simulated device failure")
+
+    def predict(self, *a):
+        raise OSError("simulated device failure")
+
+
+def test_a_failing_device_is_its_own_failure_at_training(fed):
+    clients = SimulatedClients(fed)
+    clients.learners[3] = Failing()
+    req = TrainRequest(1, dict.fromkeys(fed.client_ids, 0), {0: fed.initial_model}, SETTINGS)
+    out = clients.train(req)
+    assert sorted(out.ok) == [0, 1, 2, 4, 5]
+    assert list(out.failed) == [3] and "MemoryError" in out.failed[3]
+    assert clients.store.load(3).rounds == []  # its state is untouched
+
+
+def test_a_failing_device_is_a_dropout_of_the_evaluation(tmp_path):
+    cfg = validate_config({"name": "fail-eval", "seed": 0, "clients": 20,
+                           "data": {"probe_size": 32}, "tracking": {"enabled": False},
+                           "budget": {"enabled": False}})
+    sim = build_federation(cfg)
+    clients = SimulatedClients(sim)
+    clients.learners[7] = Failing()
+    engine = FederationEngine(cfg, sim.assets(), clients)
+    ids = engine.roster.client_ids
+    sums = engine.evaluator.secure_sums(clients, 1, ids, engine.region_of,
+                                        engine.state.assignments(ids), engine.state.cohort_models)
+    g = sums.groups["global"]
+    assert (g.status, g.selected, g.dropped, g.contributors) == ("ok", 20, 1, 19)
+    # unmasking twice is refused by the device: a failure of that client, not an exception
+    sid = next(iter(clients._secagg[0].unmasked))
+    again = clients.secagg_unmask(1, {0: {sid: UnmaskingRequest(frozenset(), frozenset())}})
+    assert again.ok == {} and list(again.failed) == [0]
+    # a step asked for a round the device has no state of is a failure too
+    other = clients.secagg_masked_input(2, {0: {sid: []}})
+    assert other.failed == {0: "no secure-aggregation state for this round"}
+    np.testing.assert_array_equal(engine.state.cohort_models[0], sim.initial_model)
