@@ -47,6 +47,32 @@ def test_the_flower_section_belongs_to_the_flower_transport():
     assert local.evaluation.noise_seeded is False  # real clients: secure noise
 
 
+def test_seeded_noise_is_refused_on_the_flower_path_unless_a_test_allows_it(tmp_path):
+    from clma.flower import CLMA
+    from clma.flower.transport import check_noise_source
+    from flows.flower_launch import launch
+
+    local = load_config(LOCAL)
+    assert check_noise_source(local) == "opendp"
+    for over in ({"evaluation": {"noise_seeded": True}},
+                 {"training": {"dp": {"enabled": True, "noise_seeded": True}}}):
+        data = local.model_dump(mode="json")
+        for sec, v in over.items():
+            data[sec].update(v)
+        seeded = validate_config(data)
+        with pytest.raises(ConfigError, match="seeded noise is reproducible and NOT private"):
+            check_noise_source(seeded)
+        with pytest.raises(ConfigError, match="NOT private"):  # before anything is submitted
+            launch(seeded, out_dir=tmp_path / "out", state_dir=None)
+        data["testing"] = {"allow_seeded_noise_not_private": True}
+        assert check_noise_source(validate_config(data)) == "seeded-simulation"
+    # a clma.flower strategy is real clients whatever federation.transport says
+    sim = validate_config({"evaluation": {"noise_seeded": True}})
+    assert sim.transport == "simulation" and sim.seeded_noise_refusal(real_server=False) is None
+    with pytest.raises(ConfigError, match="the flower transport"):
+        CLMA(config=sim, model_fn=lambda: None)._ensure_started(None, None)
+
+
 def test_the_connection_file_names_the_superlink_and_its_certificates(tmp_path):
     cfg = load_config(LOCAL)
     home = _flower_home(tmp_path, cfg)
