@@ -49,6 +49,8 @@ __all__ = [
     "StateConfig",
     "ScheduleConfig",
     "FederationConfig",
+    "FlowerConfig",
+    "TransportConfig",
     "default_config",
     "load_config",
 ]
@@ -210,7 +212,10 @@ class BudgetConfig(_Strict):
     @field_validator("policy")
     @classmethod
     def _policy_loads(cls, v: str | None) -> str | None:
-        """The policy must load and validate now, not when the first release is charged."""
+        """The policy must load and validate now, not when the first release is charged
+        (None: the shipped default policy, validated by its own tests)."""
+        if v is None:
+            return v
         from clma.budget.policy import PolicyError, load_policy
 
         try:
@@ -426,6 +431,75 @@ class OrchestrationConfig(_Strict):
         return self
 
 
+def _check_address(v: str) -> str:
+    """``host:port`` (IPv6 hosts in brackets), port 1..65535, no URL scheme."""
+    if "://" in v:
+        raise ValueError("must be host:port without a URL scheme (e.g. '127.0.0.1:9093')")
+    host, sep, port = v.rpartition(":")
+    if not sep or not host or host in ("[]",):
+        raise ValueError("must be host:port (e.g. '127.0.0.1:9093')")
+    if host.startswith("[") != host.endswith("]") or (":" in host and not host.startswith("[")):
+        raise ValueError("an IPv6 host must be written in brackets, e.g. '[::1]:9093'")
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError("port must be an integer in 1..65535")
+    return v
+
+
+class FlowerConfig(_Strict):
+    """How the server reaches real clients on Flower's deployment engine
+    (``federation.transport = "flower"``; see docs/operating.md, "Real clients").
+
+    ``clma run`` submits the project's ServerApp (``app_dir``) to the SuperLink at
+    ``superlink`` with ``flwr run``; inside it the Prefect flow reaches the SuperNodes
+    through the Flower transport (:mod:`clma.flower.transport`).
+    """
+
+    superlink: str = Field(
+        default="127.0.0.1:9093",
+        description="host:port of the SuperLink's API (flwr 1.42 serves the Control, "
+        "Fleet and Runtime APIs on one port: flower-superlink --port).",
+    )
+    insecure: bool = Field(
+        default=False,
+        description="True: plain HTTP (loopback trials only); False: TLS, verified with "
+        "root_certificates (or the system's trusted CAs when unset).",
+    )
+    root_certificates: str | None = Field(
+        default=None, min_length=1,
+        description="PEM file of the CA that signed the SuperLink's certificate (TLS only).",
+    )
+    app_dir: str | None = Field(
+        default=None, min_length=1,
+        description="The Flower app folder to run (its pyproject.toml names the ServerApp "
+        "and ClientApp); None = the app shipped in clma/flower/app.",
+    )
+    node_count: PositiveInt | None = Field(
+        default=None,
+        description="SuperNodes to wait for before the first round; None = 'clients'.",
+    )
+    timeout_seconds: Annotated[float, Field(gt=0.0, le=86_400.0)] = Field(
+        default=600.0,
+        description="How long one exchange waits for the nodes' replies; a node that has "
+        "not answered by then is a dropout of that step.",
+    )
+    connect_timeout_seconds: Annotated[float, Field(gt=0.0, le=86_400.0)] = Field(
+        default=300.0,
+        description="How long to wait for node_count SuperNodes to connect; after it the "
+        "federation starts with the nodes that answered the roster query.",
+    )
+
+    @field_validator("superlink")
+    @classmethod
+    def _superlink(cls, v: str) -> str:
+        return _check_address(v)
+
+    @model_validator(mode="after")
+    def _tls(self) -> FlowerConfig:
+        if self.insecure and self.root_certificates is not None:
+            raise ValueError("root_certificates: only used with insecure = false (TLS)")
+        return self
+
+
 class TransportConfig(_Strict):
     """Which transport carries the round to the clients (the ``Clients`` seam,
     :mod:`clma.engine.clients`), and where simulated devices keep their own state.
@@ -434,7 +508,7 @@ class TransportConfig(_Strict):
     (simulated clients hosted by Dask workers; needs ``orchestration.dask_address`` or
     ``orchestration.dask_local_workers``; unset with either of those given means
     ``dask``) or ``flower`` (real clients: Flower SuperNodes on Flower's deployment
-    engine).
+    engine; connection in ``[federation.flower]``, :class:`FlowerConfig`).
     """
 
     transport: Literal["simulation", "dask", "flower"] | None = None
@@ -443,6 +517,11 @@ class TransportConfig(_Strict):
         description="Simulated devices' own storage (their drift detector state), never "
         "inside the server's state folder. None = '<state dir>.devices' when the federation "
         "has a state dir, else memory only.",
+    )
+    flower: FlowerConfig | None = Field(
+        default=None,
+        description="The SuperLink connection of the 'flower' transport (defaults when "
+        "unset).",
     )
 
 
@@ -485,13 +564,16 @@ class FederationConfig(_Strict):
         return self.evaluation.noise_seeded or (self.training.dp.enabled
                                                 and self.training.dp.noise_seeded)
 
-    def seeded_noise_refusal(self, *, real_server: bool) -> str | None:
+    def seeded_noise_refusal(self, *, real_server: bool, real_clients: bool = False
+                             ) -> str | None:
         """Why this config may not run here (None: it may): seeded noise with the Flower
-        transport (real clients) or a real Prefect server (``real_server``), unless
-        ``testing.allow_seeded_noise_not_private``."""
+        transport (real clients; also ``real_clients``: a Flower strategy of
+        :mod:`clma.flower`, whatever ``federation.transport`` says) or a real Prefect server
+        (``real_server``), unless ``testing.allow_seeded_noise_not_private``."""
         if not self.seeded_noise or self.testing.allow_seeded_noise_not_private:
             return None
-        where = ("the flower transport (real clients)" if self.transport == "flower"
+        where = ("the flower transport (real clients)"
+                 if real_clients or self.transport == "flower"
                  else "a configured Prefect server (PREFECT_API_URL)" if real_server else None)
         if where is None:
             return None
@@ -508,6 +590,11 @@ class FederationConfig(_Strict):
             return t
         o = self.orchestration
         return "dask" if (o.dask_address or o.dask_local_workers) else "simulation"
+
+    @property
+    def flower(self) -> FlowerConfig:
+        """The Flower connection in force (``federation.flower`` or its defaults)."""
+        return self.federation.flower if self.federation.flower is not None else FlowerConfig()
 
     @field_validator("name")
     @classmethod
@@ -527,6 +614,17 @@ class FederationConfig(_Strict):
                 o.dask_address or o.dask_local_workers):
             raise ValueError(f"federation.transport = {self.federation.transport!r}: "
                              "orchestration.dask_* only apply to the 'dask' transport")
+        if self.federation.flower is not None and self.transport != "flower":
+            raise ValueError("federation.flower: only applies to federation.transport = "
+                             "'flower'")
+        if self.transport == "flower":
+            fl = self.flower
+            if fl.node_count is not None and fl.node_count > self.clients:
+                raise ValueError(f"federation.flower.node_count: at most 'clients' "
+                                 f"({self.clients}); each node is one client (its partition id)")
+            if self.evaluation.dropout_rate > 0.0:
+                raise ValueError("evaluation.dropout_rate: simulates dropouts of in-process "
+                                 "clients; on the 'flower' transport dropouts are real (set 0)")
         for i, ev in enumerate(self.drift.events):
             if ev.round > self.rounds:
                 raise ValueError(

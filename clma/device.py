@@ -27,13 +27,12 @@ import base64
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from clma.drift import LossThresholdDetector, RoundKeyedState
 from clma.engine.clients import ReportRequest, SecAggSession, ShareKeysRequest, TrainSettings
-from clma.metrics import DeviceMetricLayout, compute_device_report
 from clma.privacy.secagg import (
     AdvertiseKeys,
     EncryptedShare,
@@ -47,6 +46,9 @@ from clma.privacy.secagg import (
     UnmaskingResponse,
 )
 from clma.rounds import ClientUpdate
+
+if TYPE_CHECKING:  # the metrics stack is imported by the step that computes the report
+    from clma.metrics import DeviceMetricLayout
 
 __all__ = [
     "DeviceSecAgg",
@@ -107,6 +109,8 @@ def quantised_report(probabilities: Any, labels: Any, layout: DeviceMetricLayout
                      levels: int) -> np.ndarray:
     """The device's metric report, clipped to ``layout`` and quantised: uint64 ``(32,)``
     in ``[0, levels]`` (:class:`clma.privacy.secagg.FixedPointQuantiser`)."""
+    from clma.metrics import compute_device_report
+
     report = compute_device_report(probabilities, labels, layout)
     quant = FixedPointQuantiser(layout.lower_bounds(), layout.upper_bounds(), levels)
     return quant.quantise(report.vector)

@@ -30,11 +30,13 @@ import math
 from collections import defaultdict
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from clma.cohort import Cohorter, CohortRegistry, merge_candidates
+if TYPE_CHECKING:  # the cohorting stack (scikit-learn) is imported where it is used
+    from clma.cohort import Cohorter, CohortRegistry
+
 
 __all__ = [
     "ClientUpdate",
@@ -265,6 +267,8 @@ def merge_reconverged(
     active = [c for c in registry.active_cohorts() if c in cohort_models]
     if len(active) < 2:
         return dict(cohort_models), []
+    from clma.cohort import merge_candidates
+
     groups = merge_candidates(
         {c: pick(cohort_models[c]) for c in active}, pick(reference), threshold
     )

@@ -228,6 +228,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
+    if cfg.transport == "flower":
+        return _run_on_flower(args, cfg, done)
     from flows.federation import federation_flow
 
     console = Console(stderr=True, quiet=args.quiet)
@@ -310,6 +312,68 @@ def _cmd_approve(args: argparse.Namespace) -> int:
         return 0
     print(json.dumps({"resumed": res.run_id, "approver": args.approver, "approve": not args.deny,
                       "key_id": res.key_id, "nonce": req["nonce"]}))
+    return 0
+
+
+def _print_table(cfg: Any, summary: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{cfg.name} (seed {cfg.seed})")
+    for col in ("round", "cohorts (sizes)", "flagged", "published accuracy ± 95% bar"):
+        table.add_column(col)
+    for r in summary["rounds"]:
+        sizes = ", ".join(f"{k}:{v}" for k, v in r["cohorts"].items())
+        table.add_row(str(r["round"]), sizes, str(r["flagged_clients"]),
+                      _fmt_regional(r["regional"]))
+    Console().print(table)
+
+
+def _run_on_flower(args: argparse.Namespace, cfg: Any, done: int) -> int:
+    """``clma run`` with the flower transport: the flow runs inside a Flower ServerApp
+    submitted to the SuperLink (flows/flower_launch.py); this process follows the run."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from flows.flower_launch import FlowerLaunchError, launch
+
+    console = Console(stderr=True, quiet=args.quiet)
+    state_dir = args.resume if args.resume is not None else args.state_dir
+    progress = Progress(TextColumn("[bold]federation[/bold] {task.description}"), BarColumn(),
+                        MofNCompleteColumn(), TimeElapsedColumn(), console=console,
+                        disable=args.quiet)
+    with progress:
+        task_id = progress.add_task(f"on {cfg.flower.superlink}", total=max(0, cfg.rounds - done))
+
+        def on_start(run_id: str) -> None:
+            console.print(f"Flower run {run_id} started on {cfg.flower.superlink}")
+
+        def on_round(r: dict[str, Any]) -> None:
+            progress.update(task_id, advance=1,
+                            description=f"round {r['round']}: {r['cohorts']} cohorts")
+
+        try:
+            res = launch(cfg, out_dir=args.out,
+                         state_dir=None if state_dir is None else str(state_dir),
+                         resume=None if state_dir is None else args.resume is not None,
+                         quiet=args.quiet, on_round=on_round, on_start=on_start)
+        except (FlowerLaunchError, ValueError) as exc:  # ValueError: the noise rule
+            print(f"clma: {exc}", file=sys.stderr)
+            return 2
+    if res.summary is None or res.status != "finished:completed":
+        print(f"clma: Flower run {res.flower_run_id} ended {res.status}"
+              f"{': ' + res.details if res.details else ''} (log: {res.log})", file=sys.stderr)
+        return 1
+    if args.quiet:
+        print(json.dumps({"summary": str(args.out / "summary.json"),
+                          "flower_run_id": res.flower_run_id}))
+        return 0
+    _print_table(cfg, res.summary)
+    from rich.console import Console as _Console
+
+    _Console().print(f"summary: {args.out / 'summary.json'}  MLflow run: "
+                     f"{res.summary['mlflow']['run_id']}  Prefect flow run: "
+                     f"{res.summary['prefect']['flow_run_id']}  Flower run: {res.flower_run_id}")
     return 0
 
 

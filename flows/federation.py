@@ -268,6 +268,7 @@ def build_summary(
             "executor": transport.executor,
             "noise": noise_label(cfg),
             "min_cohort": m,
+            **({"transport_details": transport.details} if transport.details else {}),
         },
         "region_partition": {
             "version": partition.version,

@@ -11,7 +11,10 @@ the federation complete runs no round. At most one run at a time (``limit=1``; t
 directory's lock refuses a second one anyway).
 
 It needs a Prefect API that outlives the command: a server (``infra/prefect-server.sh
-start`` and ``PREFECT_API_URL``). For work pools instead of a serving process, see
+start`` and ``PREFECT_API_URL``). With ``federation.transport = "flower"`` each scheduled
+run submits the federation's ServerApp with ``flwr run`` (:mod:`flows.flower_launch`) and
+waits for it; the rounds then run as a flow inside the ServerApp (a separate flow run on
+the same Prefect API). For work pools instead of a serving process, see
 ``infra/prefect.yaml`` (same flow, same parameters).
 """
 
@@ -73,6 +76,15 @@ def scheduled_federation_flow(
     if n < 1:
         raise ValueError("rounds_per_run: must be a positive integer")
     out = out_dir or str(sdir / "out")
+    if cfg.transport == "flower":  # real clients: the flow runs inside a Flower ServerApp
+        from flows.flower_launch import launch
+
+        res = launch(cfg, out_dir=out, state_dir=str(sdir), resume=None, max_new_rounds=n,
+                     quiet=True)
+        if res.summary is None:
+            raise RuntimeError(f"Flower run {res.flower_run_id} ended {res.status}: "
+                               f"{res.details} (log: {res.log})")
+        return res.summary
     return federation_flow(cfg, out_dir=out, state_dir=str(sdir), max_new_rounds=n)
 
 

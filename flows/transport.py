@@ -3,7 +3,9 @@
 ``simulation`` (default): :class:`clma.sim.clients.SimulatedClients` in this process;
 ``dask``: :class:`clma.sim.dask.DaskClients` (devices hosted by Dask workers); ``flower``:
 real clients on Flower SuperNodes, reached from inside a Flower ServerApp
-(:mod:`clma.flower.transport`), which hands its transport to the flow.
+(:mod:`flows.flower_serverapp`, started by ``clma run`` with ``flwr run``:
+:mod:`flows.flower_launch`), which hands its transport
+(:class:`clma.flower.transport.FlowerTransport`) to the flow.
 
 For a simulation the server's public assets (model architecture, initial model, probe set,
 region partition) come from the simulated world; the simulated devices keep their own state
@@ -27,7 +29,9 @@ __all__ = ["Transport", "device_dir_for", "open_transport"]
 class Transport:
     """An open transport: the clients and the server's assets; for simulations also the
     simulated world and an in-process view of its devices' data for ground truth
-    (``simulation`` / ``truth``; None for real clients)."""
+    (``simulation`` / ``truth``; None for real clients); ``details``: what
+    ``summary.json`` records about it (``federation.transport_details``, e.g. the Flower
+    run id), None for none."""
 
     name: str
     clients: Clients
@@ -35,6 +39,7 @@ class Transport:
     simulation: Any = None  # clma.sim.federation.SimulatedFederation
     truth: Any = None  # clma.sim.clients.SimulatedClients (ground truth only)
     executor: str = "in-process"
+    details: dict[str, Any] | None = None
 
     def close(self) -> None:
         self.clients.close()
@@ -61,7 +66,8 @@ def open_transport(config: FederationConfig, state_dir: str | Path | None = None
     """
     if config.transport == "flower":
         raise ValueError("federation.transport = 'flower': the flow runs inside a Flower "
-                         "ServerApp, which passes its transport in")
+                         "ServerApp, which passes its transport in (clma run submits it with "
+                         "flwr run: flows/flower_launch.py)")
     from clma.sim.clients import SimulatedClients
     from clma.sim.federation import build_federation
 

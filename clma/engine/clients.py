@@ -51,11 +51,10 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Generic, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
-from clma.metrics import DeviceMetricLayout
 from clma.privacy.secagg import (
     AdvertiseKeys,
     EncryptedShare,
@@ -66,6 +65,9 @@ from clma.privacy.secagg import (
     UnmaskingResponse,
 )
 from clma.rounds import ClientUpdate
+
+if TYPE_CHECKING:  # annotation only: devices import this module without the metrics stack
+    from clma.metrics import DeviceMetricLayout
 
 __all__ = [
     "TRANSPORTS",

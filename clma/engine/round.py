@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from clma.budget import BorrowDecision, BorrowRequest, PrivacyPolicy
-from clma.cohort import AutoKMeans, CLMACohorter
+from clma.cohort import AutoKMeans, CLMACohorter, Cohorter
 from clma.config import FederationConfig
 from clma.engine.budget import (
     BudgetState,
@@ -59,7 +59,7 @@ from clma.engine.clients import Clients, Replies, TrainRequest, TrainSettings, c
 from clma.engine.divergence import DivergenceOutcome, score_divergence
 from clma.engine.evaluation import EvaluationOutcome, PrivateEvaluator, SecureSums
 from clma.engine.state import ServerAssets, ServerState
-from clma.params import AllParams, DefaultSelector, flatten_state, unflatten_state
+from clma.params import AllParams, DefaultSelector, ParamSelector, flatten_state, unflatten_state
 from clma.rounds import (
     ClientUpdate,
     CohortingOutcome,
@@ -162,6 +162,10 @@ class FederationEngine:
         budget: the ledger (None: releases are not charged).
         state: the server state to continue from (default: a fresh federation, every
             client of the roster in root cohort 0).
+        cohorter: the cohorter of quarantined clients (default: :func:`make_cohorter` of
+            the config).
+        selector: which arrays of the model form the cohorting vector (default
+            :class:`clma.params.DefaultSelector`); averaging always uses every array.
 
     Raises:
         ValueError: the roster names a region the partition does not have, or a roster
@@ -170,7 +174,8 @@ class FederationEngine:
 
     def __init__(self, config: FederationConfig, assets: ServerAssets, clients: Clients, *,
                  policy: PrivacyPolicy | None = None, budget: BudgetState | None = None,
-                 state: ServerState | None = None) -> None:
+                 state: ServerState | None = None, cohorter: Cohorter | None = None,
+                 selector: ParamSelector | None = None) -> None:
         self.config = config
         self.assets = assets
         self.clients = clients
@@ -186,16 +191,23 @@ class FederationEngine:
         self.state = state if state is not None else ServerState.fresh(
             self.roster.client_ids, assets.initial_model)
         self.evaluator = PrivateEvaluator(config, assets.partition, self.policy, self.state)
-        self._selector = self._make_selector()
-        self.cohorter = make_cohorter(config)
+        self._selector = self._make_selector(selector)
+        self.cohorter = cohorter if cohorter is not None else make_cohorter(config)
 
     # ---------------------------------------------------------------- helpers
-    def _make_selector(self) -> Callable[[np.ndarray], np.ndarray]:
-        """Full-state vector -> the DefaultSelector's sub-vector (identity when equal)."""
+    def _make_selector(self, selector: ParamSelector | None = None
+                       ) -> Callable[[np.ndarray], np.ndarray]:
+        """Full-state vector -> the selector's sub-vector (identity when equal).
+
+        Raises:
+            ValueError: the selector keeps no array of the model.
+        """
         template = self.assets.model_spec.build()
         st = template.state_dict()
         full = AllParams().select_module(template)
-        chosen = DefaultSelector().select_module(template)
+        chosen = (selector or DefaultSelector()).select_module(template)
+        if not chosen:
+            raise ValueError("selector: selects no array of the model")
         if chosen == full:
             return lambda v: v
         shapes = {n: st[n] for n in full}

@@ -15,12 +15,14 @@ import io
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from clma.cohort import CohortRegistry
 from clma.regions import RegionPartition
+
+if TYPE_CHECKING:  # the cohorting stack (scikit-learn) is imported where a registry is made
+    from clma.cohort import CohortRegistry
 
 __all__ = ["ModelSpec", "ServerAssets", "ServerState", "restore_files", "snapshot_files"]
 
@@ -81,6 +83,8 @@ class ServerState:
     @classmethod
     def fresh(cls, client_ids: list[int], initial_model: np.ndarray) -> ServerState:
         """Every client in root cohort 0 with the initial model."""
+        from clma.cohort import CohortRegistry
+
         registry = CohortRegistry()
         root = registry.create_root(sorted(client_ids), 0)
         return cls(registry=registry,
@@ -126,6 +130,7 @@ def restore_files(files: Mapping[str, bytes], rounds_done: int) -> ServerState:
     Raises:
         ValueError: the models do not match the registry's active cohorts.
     """
+    from clma.cohort import CohortRegistry
     from clma.engine.evaluation import EvaluationState
 
     registry = CohortRegistry.from_dict(json.loads(files["registry.json"].decode("utf-8")))

@@ -1,32 +1,49 @@
-"""CLMA on Flower's message API (optional extra ``flower``; imports ``flwr``).
+"""CLMA on Flower (optional extra ``flower``; imports ``flwr``).
 
-* :class:`CLMA` — drop-in replacement for ``flwr.serverapp.strategy.FedAvg`` keeping one
-  model per cohort (:mod:`clma.flower.strategy`).
-* :mod:`clma.flower.client` — the on-device drift flag kept in ``context.state`` and the
-  training reply.
-* :class:`PrivateEvaluation` — wraps a strategy's evaluate step with on-device clipped
-  metrics, the project's secure aggregation (:mod:`clma.privacy.secagg`) carried in Flower
-  messages, DP noise once on the aggregate and envelopes (:mod:`clma.flower.private`).
+* :class:`CLMA` -- a Flower message-API strategy on the round engine (drop-in for
+  ``flwr.serverapp.strategy.FedAvg``: one model per cohort, quarantine, cohorting, the
+  ledger, DP-FedAvg; :mod:`clma.flower.strategy`), and
+  :class:`~clma.flower.private.PrivateEvaluation`, its private regional evaluation;
+* :class:`FlowerTransport` -- the ``Clients`` seam over a ServerApp's grid, so the
+  Prefect flow reaches real clients on Flower SuperNodes (:mod:`clma.flower.transport`,
+  wire format :mod:`clma.flower.codec`, :mod:`clma.flower.journal`);
+* :func:`make_client_app` -- the ClientApp (:mod:`clma.flower.clientapp`) over a
+  :class:`TorchLearner` (:mod:`clma.flower.learner`);
+* :mod:`clma.flower.app` -- the Flower app folder ``clma run`` submits with ``flwr run``,
+  :mod:`clma.flower.launch` -- that launcher.
 
-``import clma`` does not import this package.
+``import clma`` does not import this package; its names are resolved on first use, so a
+ClientApp process imports only what its message needs.
 """
 
-from clma.flower.arrays import ArrayLayout
-from clma.flower.client import (
-    flag_drift,
-    load_detector_state,
-    save_detector_state,
-    train_reply_content,
-)
-from clma.flower.strategy import CLMA, COHORT_ID_KEY, DRIFT_FLAG_KEY
+from __future__ import annotations
 
-__all__ = [
-    "CLMA",
-    "COHORT_ID_KEY",
-    "DRIFT_FLAG_KEY",
-    "ArrayLayout",
-    "flag_drift",
-    "load_detector_state",
-    "save_detector_state",
-    "train_reply_content",
-]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "CLMA": "clma.flower.strategy",
+    "COHORT_ID_KEY": "clma.flower.strategy",
+    "DRIFT_FLAG_KEY": "clma.flower.strategy",
+    "ArrayLayout": "clma.flower.arrays",
+    "PrivateEvaluation": "clma.flower.private",
+    "FlowerTransport": "clma.flower.transport",
+    "make_client_app": "clma.flower.clientapp",
+    "TorchLearner": "clma.flower.learner",
+    "digits_learner": "clma.flower.learner",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'clma.flower' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

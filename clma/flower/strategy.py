@@ -1,30 +1,35 @@
-"""CLMA as a Flower message-API strategy: a drop-in replacement for ``FedAvg``.
+"""CLMA as a Flower message-API strategy: the round engine behind Flower's Strategy.
 
-``CLMA`` subclasses :class:`flwr.serverapp.strategy.FedAvg` (sampling, message
-validation, metric aggregation and ``start(grid=..., initial_arrays=..., num_rounds=...)``
-are inherited) and keeps one model per cohort (CLMA, Adarsh N L et al., CODS-COMAD 2024,
-Algorithms 1-3). Per round:
+:class:`CLMA` subclasses :class:`flwr.serverapp.strategy.FedAvg` (so
+``start(grid=..., initial_arrays=..., num_rounds=...)`` and the options are inherited) and
+runs every round through :class:`clma.engine.FederationEngine` -- the steps the Prefect
+flow runs, one copy of every rule:
 
-* ``configure_train`` / ``configure_evaluate``: FedAvg samples the nodes; each node gets
-  its cohort's model (``ArrayRecord``) and ``config["cohort-id"]``.
-* ``aggregate_train``: each reply must hold one ``ArrayRecord`` (the trained model) and
-  one ``MetricRecord`` with ``num-examples`` (FedAvg weight) and the on-device integer
-  ``drift-flag`` (0/1; see :mod:`clma.flower.client`); no loss is needed. Then the very
-  server steps the Prefect flow runs (:mod:`clma.rounds`): :func:`quarantine` of flagged
-  clients, :func:`aggregate_per_cohort` (FedAvg inside each cohort over the non-quarantined
-  members), :func:`cohort_quarantined` (signed KS -> Gram PCA -> clustering with the
-  ``cohorter``, new child cohorts in the :class:`clma.cohort.CohortRegistry`) and
-  :func:`merge_reconverged` (``merge_cohorts_threshold``; None = off).
+* ``configure_train`` -- on the first round the engine is built over a
+  :class:`clma.flower.transport.FlowerTransport` on the grid (the roster: each node's
+  partition id, or ``client_id_of``); :meth:`~FederationEngine.begin_round` selects the
+  clients (seeded, ``training.participation``) and fixes their cohorts' models; one
+  ``train`` message per selected node (wire format :mod:`clma.flower.codec`).
+* ``aggregate_train`` -- every reply is decoded and checked BEFORE any state changes
+  (an error reply, a malformed reply, ``num-examples`` < 1, a wrong length: a dropout of
+  the round; :meth:`~FederationEngine.check_replies`), then
+  :meth:`~FederationEngine.accept` and :meth:`~FederationEngine.after_training`:
+  quarantine on the on-device drift flag, divergence scores, FedAvg or DP-FedAvg per
+  cohort (DP-FedAvg charges the ledger's training line), cohorting, merging.
+* ``configure_evaluate`` / ``aggregate_evaluate`` -- no plain evaluation (metrics never
+  reach the server one client at a time): the round is closed
+  (:meth:`~FederationEngine.finish`); :class:`clma.flower.private.PrivateEvaluation` adds
+  the private regional evaluation before that.
 
-Client ids are the node ids unless ``client_id_of`` maps a node id to another id (the
-example app maps simulation nodes to their partition ids). Updates are processed in
-ascending client-id order, the merge reference is the start model of the first
-quarantined client's cohort at the first quarantine (before that, the initial model), as
-in ``flows.federation``; so the same clients, training and seed give the same cohorts.
+The federation's rules come from a :class:`clma.config.FederationConfig` (seed,
+participation, cohorting, divergence, DP-FedAvg, evaluation, budget policy); the
+constructor's CLMA options override it. The ledger (:func:`clma.engine.open_budget`) is
+opened on the first round when ``budget.enabled``.
 
-Returned "global" arrays (``Result.arrays``, the ``arrays`` argument of the next
-``configure_*``): the model of the largest active cohort (lowest id on ties). Every
-cohort's model: :meth:`CLMA.cohort_arrays`; membership per round: :attr:`CLMA.cohort_history`.
+Returned "global" arrays (``Result.arrays``): the model of the largest active cohort
+(lowest id on ties). Every cohort's model: :meth:`CLMA.cohort_arrays`; membership per
+round: :attr:`CLMA.cohort_history`; each round's :class:`clma.engine.RoundResult`:
+:attr:`CLMA.results`.
 """
 
 from __future__ import annotations
@@ -34,81 +39,115 @@ from logging import INFO
 from typing import Any
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 from flwr.supercore import log
 
-from clma.cohort import CLMACohorter, Cohorter, CohortRegistry
+from clma.cohort import Cohorter
+from clma.config import FederationConfig, validate_config
+from clma.flower import codec
 from clma.flower.arrays import ArrayLayout
 from clma.params import ParamSelector
-from clma.rounds import (
-    ClientUpdate,
-    aggregate_per_cohort,
-    cohort_quarantined,
-    merge_reconverged,
-    quarantine,
-)
 
-__all__ = ["CLMA", "DRIFT_FLAG_KEY", "COHORT_ID_KEY"]
+__all__ = ["CLMA", "COHORT_ID_KEY", "DRIFT_FLAG_KEY"]
 
-DRIFT_FLAG_KEY = "drift-flag"
+DRIFT_FLAG_KEY = codec.DRIFT_FLAG
 COHORT_ID_KEY = "cohort-id"
+_FIXED_KEYS = {"weighted_by_key": codec.NUM_EXAMPLES, "arrayrecord_key": codec.ARRAYS}
+
+
+def _config_with(config: FederationConfig | None, fraction_train: float | None,
+                 merge_cohorts_threshold: float | None) -> FederationConfig:
+    data = (config or FederationConfig()).model_dump()
+    if fraction_train is not None:
+        if config is not None and config.training.participation != fraction_train:
+            raise ValueError("fraction_train: differs from the config's "
+                             "training.participation (give one of them)")
+        data["training"]["participation"] = float(fraction_train)
+    if merge_cohorts_threshold is not None:
+        data["cohort"]["merge_cohorts_threshold"] = float(merge_cohorts_threshold)
+    return validate_config(data)
 
 
 class CLMA(FedAvg):
-    """Cohort-based FedAvg with on-device drift quarantine (see module docstring).
+    """Cohort-based FedAvg with on-device drift quarantine, on the round engine (module
+    docstring).
 
     Args:
-        cohorter: groups quarantined clients (default ``CLMACohorter()``).
-        param_selector: which arrays form the cohorting vector (a
-            :class:`clma.params.ParamSelector`; default ``DefaultSelector()``: every
-            floating array). Averaging always uses every array.
+        config: the federation's rules (default: :class:`FederationConfig` defaults).
+        assets: the server's public assets (model architecture, initial model, probe set,
+            region partition; :class:`clma.engine.ServerAssets`). Default: built from
+            ``model_fn``, the ``initial_arrays`` of ``start`` and the config's region
+            partition, with divergence scoring off (it needs a probe set).
+        model_fn: builds the model (``torch.nn.Module``) when ``assets`` is not given.
+        cohorter: groups quarantined clients (default: the config's ``CLMACohorter``).
+        param_selector: which arrays form the cohorting vector (default
+            ``DefaultSelector()``); averaging always uses every array.
         merge_cohorts_threshold: displacement-cosine threshold in [0, 2] at which
-            reconverged cohorts merge; None disables merging.
-        client_id_of: node id -> client id (int or str) used in the registry; default:
-            the node id.
-        drift_flag_key: MetricRecord key of the drift flag (default ``"drift-flag"``).
-        **fedavg_kwargs: FedAvg's options (``fraction_train``, ``min_train_nodes``,
-            ``weighted_by_key``, ...).
+            reconverged cohorts merge (overrides ``cohort.merge_cohorts_threshold``).
+        client_id_of: node id -> client id; default: each node's ``partition-id``, asked
+            once.
+        budget: an open :class:`clma.engine.BudgetState`; default: opened from the config
+            when ``budget.enabled``.
+        timeout: seconds an exchange waits for replies (default
+            ``federation.flower.timeout_seconds``).
+        **fedavg_kwargs: FedAvg's options. ``fraction_train`` is the engine's
+            ``training.participation`` (seeded selection); ``min_available_nodes`` /
+            ``min_train_nodes``: nodes to wait for before the first round;
+            ``train_metrics_aggr_fn`` aggregates the accepted replies' metrics. The record
+            keys are the CLMA ClientApp's (``weighted_by_key="num-examples"``,
+            ``arrayrecord_key="arrays"``).
 
     Raises:
-        ValueError: ``merge_cohorts_threshold`` outside [0, 2].
+        ValueError: ``merge_cohorts_threshold`` outside [0, 2]; ``fraction_train``
+            differing from the config's participation; other record keys.
     """
 
-    def __init__(
-        self,
-        *,
-        cohorter: Cohorter | None = None,
-        param_selector: ParamSelector | None = None,
-        merge_cohorts_threshold: float | None = None,
-        client_id_of: Callable[[int], int | str] | None = None,
-        drift_flag_key: str = DRIFT_FLAG_KEY,
-        **fedavg_kwargs: Any,
-    ) -> None:
-        super().__init__(**fedavg_kwargs)
+    def __init__(self, *, config: FederationConfig | None = None, assets: Any = None,
+                 model_fn: Callable[[], Any] | None = None, cohorter: Cohorter | None = None,
+                 param_selector: ParamSelector | None = None,
+                 merge_cohorts_threshold: float | None = None,
+                 client_id_of: Callable[[int], int] | None = None, budget: Any = None,
+                 timeout: float | None = None, **fedavg_kwargs: Any) -> None:
         if merge_cohorts_threshold is not None and not 0.0 <= merge_cohorts_threshold <= 2.0:
             raise ValueError("merge_cohorts_threshold: must be in [0, 2] or None")
-        self.cohorter = cohorter if cohorter is not None else CLMACohorter()
+        for k, v in _FIXED_KEYS.items():
+            if k in fedavg_kwargs and fedavg_kwargs[k] != v:
+                raise ValueError(f"{k}: the CLMA ClientApp's wire format uses {v!r}")
+        super().__init__(**fedavg_kwargs)
+        self.config = _config_with(config, fedavg_kwargs.get("fraction_train"),
+                                   merge_cohorts_threshold)
+        self.assets = assets
+        self.model_fn = model_fn
+        self.cohorter = cohorter
         self.param_selector = param_selector
-        self.merge_cohorts_threshold = merge_cohorts_threshold
-        self.client_id_of = client_id_of if client_id_of is not None else (lambda n: int(n))
-        self.drift_flag_key = drift_flag_key
-        self.registry = CohortRegistry()
-        self.cohort_models: dict[int, np.ndarray] = {}
+        self.merge_cohorts_threshold = self.config.cohort.merge_cohorts_threshold
+        self.client_id_of = client_id_of
+        self.budget = budget
+        self.timeout = timeout
+        self.engine: Any = None
+        self.transport: Any = None
         self.layout: ArrayLayout | None = None
-        self.merge_reference: np.ndarray | None = None
-        self.initial_model: np.ndarray | None = None
-        self.round_log: dict[int, dict[str, Any]] = {}
-        self._select_idx: np.ndarray | None = None
-        self._sent: dict[int | str, int] = {}
-        self._start_models: dict[int, np.ndarray] = {}
+        self.results: dict[int, Any] = {}
+        self.evaluations: dict[int, Any] = {}
+        self._ctx: Any = None
+        self._request: Any = None
+        self._sent: list[Message] = []
 
     # ------------------------------------------------------------------ views
     @property
-    def cohort_history(self) -> dict[int, dict[int, list[int | str]]]:
+    def cohort_history(self) -> dict[int, dict[int, list[int]]]:
         """round -> {cohort id: member client ids} (the registry's history)."""
-        return self.registry.history
+        return self.engine.state.registry.history if self.engine is not None else {}
+
+    @property
+    def registry(self) -> Any:
+        return self.engine.state.registry if self.engine is not None else None
+
+    @property
+    def cohort_models(self) -> dict[int, np.ndarray]:
+        return dict(self.engine.state.cohort_models) if self.engine is not None else {}
 
     def cohort_arrays(self) -> dict[int, ArrayRecord]:
         """Every active cohort's model as an ``ArrayRecord``."""
@@ -118,127 +157,110 @@ class CLMA(FedAvg):
 
     def summary(self) -> None:
         super().summary()
-        log(INFO, "\t└──> CLMA: cohorter=%r, param_selector=%r, merge_cohorts_threshold=%s",
-            self.cohorter, self.param_selector, self.merge_cohorts_threshold)
+        log(INFO, "\t└──> CLMA on the round engine: cohorter=%r, param_selector=%r, "
+            "merge_cohorts_threshold=%s, ledger=%s", self.cohorter, self.param_selector,
+            self.merge_cohorts_threshold, self.config.budget.enabled)
 
-    # ------------------------------------------------------------------ helpers
-    def _select(self, v: np.ndarray) -> np.ndarray:
-        return v if self._select_idx is None else v[self._select_idx]
+    # ------------------------------------------------------------------ start-up
+    def _assets(self, arrays: ArrayRecord) -> Any:
+        from clma.engine import ServerAssets
+        from clma.regions import load_partition
+
+        vector = self.layout.to_vector(arrays)
+        if self.assets is not None:
+            if self.assets.initial_model.shape != vector.shape or not np.array_equal(
+                    self.assets.initial_model, vector):
+                raise ValueError("initial_arrays: differ from assets.initial_model")
+            return self.assets
+        if self.model_fn is None:
+            raise ValueError("CLMA: give assets= (model architecture, initial model, probe "
+                             "set) or model_fn= (the model; divergence scoring then off)")
+        if self.config.divergence.enabled:
+            self.config = self.config.model_copy(update={
+                "divergence": self.config.divergence.model_copy(update={"enabled": False})})
+
+        class _Spec:
+            def __init__(self, fn: Callable[[], Any]) -> None:
+                self.fn = fn
+
+            def build(self, seed: int | None = None) -> Any:
+                return self.fn()
+
+        return ServerAssets(model_spec=_Spec(self.model_fn), initial_model=vector,
+                            probe_x=np.zeros((0,), np.float32),
+                            partition=load_partition(self.config.data.region_partition),
+                            dataset_name="user")
 
     def _ensure_started(self, arrays: ArrayRecord, grid: Grid) -> None:
-        if self.layout is not None:
+        if self.engine is not None:
             return
+        from clma.engine import FederationEngine, open_budget
+        from clma.flower.transport import FlowerTransport, check_noise_source
+
+        check_noise_source(self.config)
         self.layout = ArrayLayout.of(arrays)
-        self._select_idx = self.layout.selector_indices(self.param_selector)
-        self.initial_model = self.layout.to_vector(arrays)
-        clients = sorted({self.client_id_of(n) for n in grid.get_node_ids()},
-                         key=lambda c: (str(type(c)), c))
-        root = self.registry.create_root(clients, 0)
-        self.cohort_models = {root: self.initial_model.copy()}
-
-    def _cohort_of(self, client: int | str, round_number: int) -> int:
-        try:
-            return self.registry.cohort_of(client)
-        except KeyError:  # a node that joined after the start: into the oldest cohort
-            target = self.registry.active_cohorts()[0]
-            self.registry.assign(client, target, round_number, reason="joined")
-            return target
-
-    def _per_cohort(self, messages: Iterable[Message], server_round: int,
-                    train: bool = False) -> list[Message]:
-        out = []
-        for msg in messages:
-            client = self.client_id_of(msg.metadata.dst_node_id)
-            cohort = self._cohort_of(client, server_round)
-            if train:
-                self._sent[client] = cohort
-            config = ConfigRecord(dict(msg.content.config_records[self.configrecord_key]))
-            config[COHORT_ID_KEY] = int(cohort)
-            content = RecordDict({
-                self.arrayrecord_key: self.layout.to_record(self.cohort_models[cohort]),
-                self.configrecord_key: config,
-            })
-            out.append(Message(content=content, message_type=msg.metadata.message_type,
-                               dst_node_id=msg.metadata.dst_node_id))
-        return out
+        assets = self._assets(arrays)
+        self.transport = FlowerTransport(
+            grid, self.config, partition=assets.partition, client_id_of=self.client_id_of,
+            timeout=self.timeout, n_params=assets.n_params,
+            node_count=max(int(self.min_available_nodes), int(self.min_train_nodes), 1))
+        if self.budget is None and self.config.budget.enabled:
+            self.budget = open_budget(self.config)
+        self.engine = FederationEngine(self.config, assets, self.transport, budget=self.budget,
+                                       cohorter=self.cohorter, selector=self.param_selector)
 
     def _largest_cohort_arrays(self) -> ArrayRecord:
-        sizes = {c: len(self.registry.members(c)) for c in self.cohort_models}
+        reg = self.engine.state.registry
+        models = self.engine.state.cohort_models
+        sizes = {c: len(reg.members(c)) for c in models}
         best = min(sizes, key=lambda c: (-sizes[c], c))
-        return self.layout.to_record(self.cohort_models[best])
+        return self.layout.to_record(models[best])
 
     # ------------------------------------------------------------------ training
-    def configure_train(
-        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-    ) -> Iterable[Message]:
-        """FedAvg's sampling; each sampled node gets its cohort's model."""
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
+        """The engine's selection; each selected node gets its cohort's model."""
         self._ensure_started(arrays, grid)
-        self._sent = {}
-        self._start_models = {c: v.copy() for c, v in self.cohort_models.items()}
-        return self._per_cohort(super().configure_train(server_round, arrays, config, grid),
-                                server_round, train=True)
+        if self._ctx is not None and self._ctx.round != server_round:
+            self._close_round()  # a round without aggregate_evaluate (e.g. Flower skipped it)
+        self._ctx = self.engine.begin_round(server_round)
+        self._request = self.engine.train_request(self._ctx)
+        self._sent = self.transport.messages("train", self._request)
+        return list(self._sent)
 
-    def aggregate_train(
-        self, server_round: int, replies: Iterable[Message]
-    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Quarantine, per-cohort FedAvg, cohorting and merging (module docstring)."""
-        valid, _ = self._check_and_log_replies(replies, is_train=True)
-        if not valid or self.layout is None:
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]
+                        ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Check every reply, then the engine's steps 3-8 (module docstring)."""
+        if self._ctx is None or self._ctx.round != server_round:
             return None, None
-        updates = []
-        for msg in valid:
-            client = self.client_id_of(msg.metadata.src_node_id)
-            if client not in self._sent:
-                continue  # a reply to a message this round did not send
-            content = msg.content
-            arrays = next(iter(content.array_records.values()))
-            metrics = next(iter(content.metric_records.values()))
-            if self.drift_flag_key not in metrics:
-                raise ValueError(f"reply MetricRecord: missing the '{self.drift_flag_key}' key "
-                                 "(0 or 1, set by clma.flower.client)")
-            flag = metrics[self.drift_flag_key]
-            if isinstance(flag, list) or flag not in (0, 1):
-                raise ValueError(f"reply MetricRecord: '{self.drift_flag_key}' must be 0 or 1")
-            updates.append(ClientUpdate(
-                client_id=client, cohort_id=self._sent[client],
-                params=self.layout.to_vector(arrays),
-                n_samples=int(metrics[self.weighted_by_key]), drift_flag=bool(flag)))
-        updates.sort(key=lambda u: (str(type(u.client_id)), u.client_id))
-        start = self._start_models
-        quarantined = quarantine(updates)
-        if quarantined and self.merge_reference is None:
-            first = next(u.cohort_id for u in updates if u.client_id in set(quarantined))
-            self.merge_reference = start[first].copy()
-        models = aggregate_per_cohort(updates, quarantined, start)
-        new_cohorts: dict[int, list] = {}
-        if quarantined:
-            models, outcome = cohort_quarantined(
-                updates, quarantined, models, self.registry, self.cohorter, server_round,
-                select=self._select, start_models=start)
-            new_cohorts = outcome.new_cohorts
-        sizes = {c: len(self.registry.members(c)) for c in self.registry.active_cohorts()}
-        reference = self.merge_reference if self.merge_reference is not None \
-            else self.initial_model
-        models, merges = merge_reconverged(
-            models, self.registry, reference, self.merge_cohorts_threshold, server_round,
-            sizes, select=self._select)
-        self.cohort_models = {c: models[c] for c in self.registry.active_cohorts()}
-        self.registry.record_round(server_round)
-        self.round_log[server_round] = {
-            "flagged": sum(u.drift_flag for u in updates), "quarantined": len(quarantined),
-            "new_cohorts": {k: len(v) for k, v in new_cohorts.items()},
-            "merges": [(g, n) for g, n in merges],
-        }
-        metrics = self.train_metrics_aggr_fn([m.content for m in valid], self.weighted_by_key)
-        metrics["n-cohorts"] = len(self.cohort_models)
-        metrics["quarantined"] = len(quarantined)
+        got = list(replies)
+        decoded, accepted = self.transport.collect("train", self._request, self._sent, got)
+        checked = self.engine.check_replies(self._request, decoded)
+        self.engine.accept(self._ctx, [checked])
+        self.engine.after_training(self._ctx)
+        ok = [accepted[c] for c in sorted(checked.ok)]
+        metrics = (self.train_metrics_aggr_fn([m.content for m in ok], self.weighted_by_key)
+                   if ok else MetricRecord())
+        metrics["n-cohorts"] = len(self.engine.state.cohort_models)
         return self._largest_cohort_arrays(), metrics
 
     # ------------------------------------------------------------------ evaluation
-    def configure_evaluate(
-        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-    ) -> Iterable[Message]:
-        """FedAvg's sampling; each sampled node evaluates its cohort's model."""
-        self._ensure_started(arrays, grid)
-        return self._per_cohort(
-            super().configure_evaluate(server_round, arrays, config, grid), server_round)
+    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                           grid: Grid) -> Iterable[Message]:
+        """No plain evaluation: metrics leave a device only inside a secure sum
+        (:class:`clma.flower.private.PrivateEvaluation`)."""
+        return []
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]
+                           ) -> MetricRecord | None:
+        """Close the round (:meth:`FederationEngine.finish`)."""
+        self._close_round()
+        return None
+
+    def _close_round(self) -> Any:
+        if self._ctx is None:
+            return None
+        res = self.engine.finish(self._ctx)
+        self.results[res.round] = res
+        self._ctx = None
+        return res
