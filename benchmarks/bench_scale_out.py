@@ -1,8 +1,8 @@
 """One CLMA round with many simulated clients on three engines (issue 8, benchmark).
 
 Same config, model and data (digits, ``build_federation``; on every engine the devices
-train with ``clma.device.train_on_device`` -- the Flower arm still calls the old
-``clma.sim.federation`` client functions until it is rebuilt on the engine):
+train through ``clma.device`` (the Flower arm through the CLMA ClientApp over the digits
+learner)):
 
 * ``prefect-threads``: the Prefect round flow over the in-process simulated clients
   (``federation.transport = "simulation"``);
@@ -160,96 +160,73 @@ def run_prefect(cfg, dask_workers: int | None) -> dict[str, float]:
     return {"startup": startup, "round": wall, "client": client, "cpu": cpu}
 
 
+class _TimedLearner:
+    """A learner proxy that adds the wall and thread-CPU seconds of every ``fit`` and
+    ``predict`` to a per-process file (Ray actors are other processes)."""
+
+    def __init__(self, inner, timing_dir: str) -> None:
+        self.inner, self.timing_dir = inner, timing_dir
+
+    def _timed(self, fn, *args):
+        import json
+
+        t0, c0 = time.perf_counter(), time.thread_time()
+        try:
+            return fn(*args)
+        finally:
+            f = Path(self.timing_dir) / f"{os.getpid()}.json"
+            w, c = json.loads(f.read_text()) if f.exists() else (0.0, 0.0)
+            f.write_text(json.dumps([w + time.perf_counter() - t0, c + time.thread_time() - c0]))
+
+    def fit(self, *args):
+        return self._timed(self.inner.fit, *args)
+
+    def predict(self, *args):
+        return self._timed(self.inner.predict, *args)
+
+
 def run_flower(cfg, cfg_path: Path) -> dict[str, float]:
+    """The ``clma.flower.CLMA`` strategy (round engine) and the CLMA ClientApp over the
+    digits learner, in Flower's simulation engine; client time from the learners."""
+    import json
+
     import ray
-    import server_app
-    import task
-    from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
-    from flwr.clientapp import ClientApp
+    from flwr.app import ArrayRecord, Context
     from flwr.serverapp import Grid, ServerApp
     from flwr.simulation import run_simulation
 
-    from clma.flower import (
-        CLMA,
-        ArrayLayout,
-        load_detector_state,
-        save_detector_state,
-        train_reply_content,
-    )
-    from clma.sim.federation import evaluate_clients, train_clients
+    from clma.engine import make_cohorter
+    from clma.flower import CLMA
+    from clma.flower.clientapp import make_client_app
+    from clma.sim.federation import build_federation
 
-    path = str(cfg_path)
-    capp = ClientApp()
+    timing_dir = tempfile.mkdtemp(prefix="bench-flower-timing-")
+    learners: dict[int, object] = {}
 
-    @capp.train()
-    def train(msg: Message, context: Context) -> Message:
+    def learner(context: Context):
         import torch
 
+        from clma.flower.learner import digits_learner
+
         torch.set_num_threads(1)
-        c = task.config_from({}, path)
         pid = int(context.node_config["partition-id"])
-        rnd = int(msg.content["config"]["server-round"])
-        layout = ArrayLayout.of(msg.content["arrays"])
-        vec = layout.to_vector(msg.content["arrays"])
-        client = task.client_at(c, pid, rnd, load_detector_state(context))
-        fed = task.federation_at(c, rnd)
-        t0, c0 = time.perf_counter(), time.thread_time()
-        res = train_clients([client], {pid: vec}, {pid: int(msg.content["config"]["cohort-id"])},
-                            fed.spec, c.training, c.drift.gamma, c.seed, rnd)[0]
-        seconds, cpu = time.perf_counter() - t0, time.thread_time() - c0
-        save_detector_state(context, res.detector_state)
-        return Message(content=train_reply_content(
-            layout.to_record(res.update.params), res.update.n_samples, res.update.drift_flag,
-            extra_metrics={"client-seconds": seconds, "client-cpu": cpu}), reply_to=msg)
+        if pid not in learners:
+            learners[pid] = _TimedLearner(digits_learner(cfg, pid), timing_dir)
+        return learners[pid]
 
-    @capp.evaluate()
-    def evaluate(msg: Message, context: Context) -> Message:
-        c = task.config_from({}, path)
-        pid = int(context.node_config["partition-id"])
-        rnd = int(msg.content["config"]["server-round"])
-        vec = ArrayLayout.of(msg.content["arrays"]).to_vector(msg.content["arrays"])
-        client = task.client_at(c, pid, rnd, None)
-        fed = task.federation_at(c, rnd)
-        t0, c0 = time.perf_counter(), time.thread_time()
-        ev = evaluate_clients([client], {pid: vec}, {pid: 0}, fed.spec, c.evaluation.loss_max)[0]
-        seconds, cpu = time.perf_counter() - t0, time.thread_time() - c0
-        return Message(content=RecordDict({"metrics": MetricRecord(
-            {"num-examples": ev.n_eval, "accuracy": ev.accuracy, "client-seconds": seconds,
-             "client-cpu": cpu})}),
-            reply_to=msg)
-
-    @capp.query()
-    def query(msg: Message, context: Context) -> Message:
-        from flwr.app import ConfigRecord
-
-        return Message(content=RecordDict({"info": ConfigRecord(
-            {"partition-id": int(context.node_config["partition-id"])})}), reply_to=msg)
-
-    def summed(records: list[RecordDict], weight_key: str) -> MetricRecord:
-        ms = [next(iter(r.metric_records.values())) for r in records]
-        return MetricRecord({"client-seconds": float(sum(m["client-seconds"] for m in ms)),
-                             "client-cpu": float(sum(m["client-cpu"] for m in ms)),
-                             "num-examples": int(sum(m["num-examples"] for m in ms))})
-
+    capp = make_client_app(learner)
     out: dict[str, float] = {}
     sapp = ServerApp()
 
     @sapp.main()
     def main(grid: Grid, context: Context) -> None:
-        fed = task.federation_at(cfg, 0)
-        to_client = server_app.partition_ids(grid, cfg.clients)
-        n = cfg.clients
-        strategy = CLMA(cohorter=task.make_cohorter(cfg), client_id_of=to_client.__getitem__,
-                        fraction_train=1.0, fraction_evaluate=1.0, min_train_nodes=n,
-                        min_evaluate_nodes=n, min_available_nodes=n,
-                        train_metrics_aggr_fn=summed, evaluate_metrics_aggr_fn=summed)
+        assets = build_federation(cfg).assets()
+        strategy = CLMA(config=cfg, assets=assets, cohorter=make_cohorter(cfg),
+                        min_available_nodes=cfg.clients)
+        initial = ArrayRecord(assets.model_spec.build(seed=cfg.seed).state_dict())
         t0 = time.perf_counter()
-        result = strategy.start(grid=grid, initial_arrays=ArrayRecord(
-            fed.spec.build(seed=cfg.seed).state_dict()), num_rounds=1)
+        strategy.start(grid=grid, initial_arrays=initial, num_rounds=1)
         out["round"] = time.perf_counter() - t0
-        tr, ev = result.train_metrics_clientapp[1], result.evaluate_metrics_clientapp[1]
-        out["client"] = tr["client-seconds"] + ev["client-seconds"]
-        out["cpu"] = tr["client-cpu"] + ev["client-cpu"]
 
     t0 = time.perf_counter()
     try:
@@ -261,6 +238,9 @@ def run_flower(cfg, cfg_path: Path) -> dict[str, float]:
         if ray.is_initialized():
             ray.shutdown()
     out["startup"] = time.perf_counter() - t0 - out.get("round", 0.0)
+    times = [json.loads(f.read_text()) for f in Path(timing_dir).glob("*.json")]
+    out["client"] = float(sum(w for w, _ in times))
+    out["cpu"] = float(sum(c for _, c in times))
     return out
 
 

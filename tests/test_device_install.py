@@ -26,7 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 DEVICE_MODULES = [
     "clma.device", "clma.drift", "clma.params", "clma.metrics", "clma.release",
     "clma.privacy.secagg", "clma.sim.models", "clma.sim.training", "clma.sim.federation",
-    "clma.sim.clients", "clma.config", "clma.flower.client", "clma.flower.private",
+    "clma.sim.clients", "clma.config", "clma.flower.clientapp", "clma.flower.codec",
+    "clma.flower.learner",
     "flwr.clientapp", "torch",
 ]
 

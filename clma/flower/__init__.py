@@ -9,8 +9,8 @@
   wire format :mod:`clma.flower.codec`, :mod:`clma.flower.journal`);
 * :func:`make_client_app` -- the ClientApp (:mod:`clma.flower.clientapp`) over a
   :class:`TorchLearner` (:mod:`clma.flower.learner`);
-* :mod:`clma.flower.app` -- the Flower app folder ``clma run`` submits with ``flwr run``,
-  :mod:`clma.flower.launch` -- that launcher.
+* ``flows/flower_app`` -- the Flower app folder ``clma run`` submits with ``flwr run``,
+  :mod:`flows.flower_launch` -- that launcher.
 
 ``import clma`` does not import this package; its names are resolved on first use, so a
 ClientApp process imports only what its message needs.

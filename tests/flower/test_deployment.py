@@ -303,7 +303,7 @@ def test_named_prefect_tasks_mlflow_lineage_and_the_ledger(seeded_run):
     assert {k.data.tags.get("clma.cohort.id") for k in kids} >= {"0", "1", "2"}
     from clma.budget import PrivacyLedger, load_policy
 
-    ledger = PrivacyLedger(tmp / "state" / "ledger", load_policy("simulation_policy_v1.toml"))
+    ledger = PrivacyLedger(tmp / "state" / "ledger", load_policy("simulation_policy_v3.toml"))
     keys = [(e["epoch"], e["round"], e["release"]) for e in ledger.entries()]
     assert keys and len(keys) == len(set(keys))
     assert {e["status"] for e in ledger.entries()} == {"committed"}
@@ -329,7 +329,7 @@ def test_cohorts_and_published_values_equal_the_in_process_simulation(seeded_run
     from clma.budget import PrivacyLedger, load_policy
 
     ledger = PrivacyLedger(seeded_run["tmp"] / "state" / "ledger",
-                           load_policy("simulation_policy_v1.toml"))
+                           load_policy("simulation_policy_v3.toml"))
     assert [(e["round"], e["release"], e["status"]) for e in ledger.entries()] == [
         (e["round"], e["release"], e["status"]) for e in eng.budget.ledger.entries()]
 
@@ -402,7 +402,7 @@ def test_a_node_lost_mid_round_and_a_killed_orchestrator_resume_without_repeats(
     assert "dropped" not in json.dumps(rep2)  # the dropout only as the coarsened health band
     from clma.budget import PrivacyLedger, load_policy
 
-    ledger = PrivacyLedger(state / "ledger", load_policy("simulation_policy_v1.toml"))
+    ledger = PrivacyLedger(state / "ledger", load_policy("simulation_policy_v3.toml"))
     keys = [(e["epoch"], e["round"], e["release"]) for e in ledger.entries()]
     assert keys and len(keys) == len(set(keys))  # nothing charged twice
     print(f"\n[timing] node loss + orchestrator kill + resume: {seconds:.0f} s")
