@@ -76,6 +76,10 @@ class InferenceDriftMonitor(DriftDetector):
         self.last_z: float | None = None
         self.n_updates = 0
 
+    def observe(self, loss: float) -> bool:
+        """fed-clma's name for :meth:`update` (``clma.client.InferenceDriftMonitor``)."""
+        return self.update(loss)
+
     @property
     def calibrated(self) -> bool:
         """True once the reference window is complete."""
