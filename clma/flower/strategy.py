@@ -204,6 +204,7 @@ class CLMA(FedAvg):
             grid, self.config, partition=assets.partition, client_id_of=self.client_id_of,
             timeout=self.timeout, n_params=assets.n_params,
             node_count=max(int(self.min_available_nodes), int(self.min_train_nodes), 1))
+        self.transport.layout = self.layout  # fed-clma-format replies (clma.flower.fedclma)
         if self.budget is None and self.config.budget.enabled:
             self.budget = open_budget(self.config)
         self.engine = FederationEngine(self.config, assets, self.transport, budget=self.budget,

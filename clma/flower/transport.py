@@ -57,7 +57,7 @@ from clma.engine.clients import (
     ShareKeysRequest,
     TrainRequest,
 )
-from clma.flower import codec
+from clma.flower import codec, fedclma
 from clma.flower.journal import ExchangeJournal, JournalEntry
 from clma.rounds import ClientUpdate
 
@@ -150,6 +150,9 @@ class FlowerTransport:
         self.node_count = int(node_count or fl.node_count or config.clients)
         self.client_id_of = client_id_of
         self.n_params = n_params
+        #: the strategy's ArrayLayout: fed-clma-format train replies (named arrays, no
+        #: header; clma.flower.fedclma) are accepted when it is set
+        self.layout: Any = None
         self._partition = partition
         self.run_id = self._run_id(grid)
         self.journal = journal if journal is not None else ExchangeJournal(state_dir, self.run_id)
@@ -361,6 +364,9 @@ class FlowerTransport:
 
     def _train_decoder(self, request: TrainRequest) -> Callable[[int, Any], ClientUpdate]:
         def decode(c: int, content: Any) -> ClientUpdate:
+            if self.layout is not None and fedclma.is_fedclma_reply(content):
+                return fedclma.decode_train_reply(content, self.layout, client_id=c,
+                                                  cohort_id=int(request.assignments[c]))
             return codec.decode_train_reply(content, round_number=request.round, client_id=c,
                                             cohort_id=int(request.assignments[c]),
                                             n_params=self.n_params)
