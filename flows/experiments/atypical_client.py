@@ -33,7 +33,8 @@ which it stays flagged to R), and ``regular_persistent_clients`` (regular client
 flagged persistently). Per cell, means over the seeds (:func:`summarise_cells`) and the
 issue's targets (:func:`targets`).
 
-Outputs (``--out``): ``atypical_client.{md,csv,json}`` (cells), ``atypical_client_seeds.csv``
+Outputs (``--out``): ``federations/`` (each federation's traces as it finishes; a re-run
+with the same arguments reuses them), ``atypical_client.{md,csv,json}`` (cells), ``atypical_client_seeds.csv``
 (per seed), ``per_client_z.csv`` (every round, client and signal: **simulation research
 output with client ids**, the ground truth of a simulation; never produced by ``clma run``),
 and ``figures/z_a<alpha>_<perturbation>.png`` (z per client over rounds, a row per seed, a
@@ -433,10 +434,35 @@ def seed_rows_from_traces(traces: list[dict[str, Any]], shifted: int) -> list[di
 
 def _jobs(args: argparse.Namespace) -> list[dict[str, Any]]:
     mags = _magnitudes(args)
+    # seed-major: an interrupted run has every cell at the first seeds
     return [{"seed": s, "alpha": a, "perturbation": p, "rounds": args.rounds,
              "clients": args.clients, "shifted": args.shifted_client,
              "probe_size": args.probe_size, "magnitude": mags[p]}
-            for a in args.alphas for p in args.perturbations for s in args.seeds]
+            for s in args.seeds for a in args.alphas for p in args.perturbations]
+
+
+def _cache_path(out: Path, job: dict[str, Any]) -> Path:
+    key = json.dumps(job, sort_keys=True)
+    import hashlib
+
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+    return out / "federations" / (
+        f"seed{job['seed']}_a{job['alpha']:g}_{job['perturbation']}_{digest}.json")
+
+
+def _run_cached(job: dict[str, Any], out: Path) -> list[dict[str, Any]]:
+    """:func:`run_federation`, its traces kept in ``out/federations/`` (keyed by the whole
+    job): a re-run of the command with the same arguments reuses finished federations
+    (each federation is deterministic in its job)."""
+    path = _cache_path(out, job)
+    if path.exists():
+        return json.loads(path.read_text())["rows"]
+    rows = run_federation(job)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"job": job, "rows": rows}))
+    tmp.replace(path)
+    return rows
 
 
 def _check(args: argparse.Namespace) -> str | None:
@@ -484,9 +510,10 @@ def run(args: argparse.Namespace) -> int:
     @task(name="run-atypical-federations")
     def run_all() -> list[dict[str, Any]]:
         if args.workers == 1:
-            return [row for job in jobs for row in run_federation(job)]
+            return [row for job in jobs for row in _run_cached(job, args.out)]
         with ProcessPoolExecutor(max_workers=args.workers) as pool:
-            return [row for rows in pool.map(run_federation, jobs) for row in rows]
+            return [row for rows in pool.map(_run_cached, jobs, [args.out] * len(jobs))
+                    for row in rows]
 
     @flow(name="atypical-client-experiment")
     def experiment() -> dict[str, Any]:
