@@ -37,7 +37,8 @@ Outputs (``--out``): ``federations/`` (each federation's traces as it finishes; 
 with the same arguments reuses them), ``atypical_client.{md,csv,json}`` (cells), ``atypical_client_seeds.csv``
 (per seed), ``per_client_z.csv`` (every round, client and signal: **simulation research
 output with client ids**, the ground truth of a simulation; never produced by ``clma run``),
-and ``figures/z_a<alpha>_<perturbation>.png`` (z per client over rounds, a row per seed, a
+``persistence_grid.md`` (the persistent flag re-computed from the same z for other
+lambda and thresholds: :func:`persistence_grid`), and ``figures/z_a<alpha>_<perturbation>.png`` (z per client over rounds, a row per seed, a
 column per signal; the paper's figure form). MLflow experiment ``--experiment``: one parent
 run (tables, figures, per-cell metrics) and one nested child per cell (its figure, its
 traces), tagged ``clma.artifacts_client_ids = simulation-ground-truth``.
@@ -337,6 +338,67 @@ def targets(cells: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+#: Post-hoc sensitivity grid of the persistence flag (:func:`persistence_grid`).
+GRID_LAMBDAS = (0.1, 0.2, 0.3, 0.5)
+GRID_THRESHOLDS = (2.0, 2.5, 3.0)
+
+
+def persistence_grid(traces: list[dict[str, Any]], shifted: int,
+                     lambdas: tuple[float, ...] = GRID_LAMBDAS,
+                     thresholds: tuple[float, ...] = GRID_THRESHOLDS,
+                     clip: float = 5.0, by_round: int = TARGET_PERSISTENT_BY
+                     ) -> list[dict[str, Any]]:
+    """The persistent flag re-computed from the traces' z for other (lambda, threshold).
+
+    The federations run with action ``report``, so the z do not depend on the flag's
+    settings and the EWMA of any (lambda, clip) follows from them exactly
+    (:func:`clma.divergence.update_persistence`). One row per (signal, lambda, threshold):
+    over all federations, how many have the shifted client flagged by ``by_round``
+    (``feds_by_round``), how many have at most one regular client ever flagged
+    (``feds_regular_ok``), both (``feds_both``), and the cells (alpha, perturbation) where
+    every seed has both (``cells_ok``)."""
+    from clma.divergence import update_persistence
+
+    feds = sorted({(r["seed"], r["alpha"], r["perturbation"]) for r in traces})
+    cells = sorted({(a, p) for _, a, p in feds})
+    out = []
+    for sig in SIGNALS:
+        per_fed = {f: sorted((r for r in traces if (r["seed"], r["alpha"], r["perturbation"])
+                              == f and r["signal"] == sig), key=lambda r: r["round"])
+                   for f in feds}
+        for lam in lambdas:
+            states: dict[Any, list[tuple[int, dict[int, float]]]] = {}
+            for f, rows in per_fed.items():
+                s: dict[int, float] = {}
+                hist = []
+                for t in sorted({r["round"] for r in rows}):
+                    s = update_persistence(s, {r["client"]: r["z"] for r in rows
+                                               if r["round"] == t}, lam=lam, clip=clip)
+                    hist.append((t, s))
+                states[f] = hist
+            for h in thresholds:
+                ok: dict[Any, tuple[bool, bool]] = {}
+                for f, hist in states.items():
+                    early = any(abs(st.get(shifted, 0.0)) > h for t, st in hist if t <= by_round)
+                    regular = {c for _, st in hist for c, v in st.items()
+                               if c != shifted and abs(v) > h}
+                    ok[f] = (early, len(regular) <= TARGET_MAX_REGULAR_PERSISTENT)
+                out.append({
+                    "signal": sig, "lambda": lam, "threshold": h, "federations": len(feds),
+                    "feds_by_round": sum(a for a, _ in ok.values()),
+                    "feds_regular_ok": sum(b for _, b in ok.values()),
+                    "feds_both": sum(a and b for a, b in ok.values()),
+                    "cells_ok": sum(all(all(ok[f]) for f in feds if (f[1], f[2]) == c)
+                                    for c in cells),
+                    "cells": len(cells),
+                })
+    return out
+
+
+GRID_COLUMNS = ["signal", "lambda", "threshold", "federations", "feds_by_round",
+                "feds_regular_ok", "feds_both", "cells_ok", "cells"]
+
+
 # ------------------------------------------------------------------------------ outputs
 
 
@@ -540,6 +602,8 @@ def run(args: argparse.Namespace) -> int:
             _write_csv(out / "atypical_client.csv", cells, CELL_COLUMNS)
             _write_csv(out / "atypical_client_seeds.csv", seed_rows, SEED_COLUMNS)
             _write_csv(out / "per_client_z.csv", traces, TRACE_COLUMNS)
+            grid = persistence_grid(traces, shifted)
+            (out / "persistence_grid.md").write_text(to_markdown(grid, GRID_COLUMNS))
             meta = {
                 "command": "clma experiment atypical-client",
                 "seeds": args.seeds, "rounds": args.rounds, "clients": args.clients,
@@ -554,6 +618,7 @@ def run(args: argparse.Namespace) -> int:
                 "targets": verdict,
                 "cells": [{k: _json_safe(v) for k, v in r.items()} for r in cells],
                 "per_seed": [{k: _json_safe(v) for k, v in r.items()} for r in seed_rows],
+                "persistence_grid": grid,
             }
             (out / "atypical_client.json").write_text(json.dumps(meta, indent=2) + "\n")
             import matplotlib.pyplot as plt
@@ -588,7 +653,7 @@ def run(args: argparse.Namespace) -> int:
                     child.finish("FINISHED")
                     children[f"{alpha:g}/{pert}"] = child.run_id or ""
             for p in ("atypical_client.md", "atypical_client.csv", "atypical_client.json",
-                      "atypical_client_seeds.csv", "per_client_z.csv"):
+                      "atypical_client_seeds.csv", "per_client_z.csv", "persistence_grid.md"):
                 parent.log_artifact(str(out / p))
             parent.log_artifact(str(out / "figures"))
             status = "FINISHED"
