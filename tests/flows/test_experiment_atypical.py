@@ -47,6 +47,21 @@ def test_summarise_federation_on_a_hand_made_trace():
     assert st["regular_persistent_clients"] == 0
 
 
+def test_persistence_grid_recomputes_the_ewma_from_z():
+    from flows.experiments.atypical_client import persistence_grid
+
+    rows = _trace({0: [0.0, -4.0, -4.0, -4.0, -4.0], 1: [2.6, 2.6, 0.0, 0.0, 0.0],
+                   2: [2.6, 2.6, 0.0, 0.0, 0.0], 3: [0.0] * 5})
+    grid = {(g["lambda"], g["threshold"]): g
+            for g in persistence_grid(rows, 0, lambdas=(0.3, 0.5), thresholds=(2.0, 3.1))
+            if g["signal"] == "parameter"}
+    # lam 0.3: client 0's s = -1.2, -2.04, -2.628, -3.0396 (rounds 2-5): > 2, never > 3.1;
+    # regulars 1 and 2 peak at 0.3 * 2.6 + 0.7 * 0.78 = 1.326
+    assert grid[(0.3, 2.0)]["feds_both"] == 1 and grid[(0.3, 3.1)]["feds_by_round"] == 0
+    # lam 0.5: regulars reach 1.95 (< 2); client 0 reaches -3.75 at round 5 (> 3.1)
+    assert grid[(0.5, 2.0)]["feds_regular_ok"] == 1 and grid[(0.5, 3.1)]["cells_ok"] == 1
+
+
 def test_targets_at_and_below_their_thresholds():
     from flows.experiments.atypical_client import targets
 
