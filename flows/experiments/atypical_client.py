@@ -37,6 +37,7 @@ Outputs (``--out``): ``federations/`` (each federation's traces as it finishes; 
 with the same arguments reuses them), ``atypical_client.{md,csv,json}`` (cells), ``atypical_client_seeds.csv``
 (per seed), ``per_client_z.csv`` (every round, client and signal: **simulation research
 output with client ids**, the ground truth of a simulation; never produced by ``clma run``),
+``atypical_client_windows.md`` (AUC by z and |z| in rounds 2-10 and 11-R: :func:`window_aucs`),
 ``persistence_grid.md`` (the persistent flag re-computed from the same z for other
 lambda and thresholds: :func:`persistence_grid`), and ``figures/z_a<alpha>_<perturbation>.png`` (z per client over rounds, a row per seed, a
 column per signal; the paper's figure form). MLflow experiment ``--experiment``: one parent
@@ -395,6 +396,30 @@ def persistence_grid(traces: list[dict[str, Any]], shifted: int,
     return out
 
 
+def window_aucs(traces: list[dict[str, Any]], shifted: int, split: int = 10
+                ) -> list[dict[str, Any]]:
+    """AUC by z and by |z| per (alpha, perturbation, signal) in rounds ``2..split`` and
+    ``split+1..R``, pooled over seeds (is the separation early or late?)."""
+    out = []
+    cells = sorted({(r["alpha"], r["perturbation"]) for r in traces},
+                   key=lambda k: (-k[0], PERTURBATIONS.index(k[1])))
+    for alpha, pert in cells:
+        for sig in SIGNALS:
+            row: dict[str, Any] = {"alpha": alpha, "perturbation": pert, "signal": sig}
+            for name, lo, hi in (("early", 2, split), ("late", split + 1, 10**9)):
+                sel = [r for r in traces if (r["alpha"], r["perturbation"], r["signal"])
+                       == (alpha, pert, sig) and lo <= r["round"] <= hi]
+                labels = [int(r["client"] == shifted) for r in sel]
+                row[f"auc_{name}"] = _auc(labels, [r["z"] for r in sel])
+                row[f"auc_abs_{name}"] = _auc(labels, [abs(r["z"]) for r in sel])
+            out.append(row)
+    return out
+
+
+WINDOW_COLUMNS = ["alpha", "perturbation", "signal", "auc_early", "auc_abs_early",
+                  "auc_late", "auc_abs_late"]
+
+
 GRID_COLUMNS = ["signal", "lambda", "threshold", "federations", "feds_by_round",
                 "feds_regular_ok", "feds_both", "cells_ok", "cells"]
 
@@ -604,6 +629,9 @@ def run(args: argparse.Namespace) -> int:
             _write_csv(out / "per_client_z.csv", traces, TRACE_COLUMNS)
             grid = persistence_grid(traces, shifted)
             (out / "persistence_grid.md").write_text(to_markdown(grid, GRID_COLUMNS))
+            windows = window_aucs(traces, shifted)
+            (out / "atypical_client_windows.md").write_text(to_markdown(windows,
+                                                                        WINDOW_COLUMNS))
             meta = {
                 "command": "clma experiment atypical-client",
                 "seeds": args.seeds, "rounds": args.rounds, "clients": args.clients,
@@ -619,6 +647,7 @@ def run(args: argparse.Namespace) -> int:
                 "cells": [{k: _json_safe(v) for k, v in r.items()} for r in cells],
                 "per_seed": [{k: _json_safe(v) for k, v in r.items()} for r in seed_rows],
                 "persistence_grid": grid,
+                "windows": windows,
             }
             (out / "atypical_client.json").write_text(json.dumps(meta, indent=2) + "\n")
             import matplotlib.pyplot as plt
@@ -653,7 +682,8 @@ def run(args: argparse.Namespace) -> int:
                     child.finish("FINISHED")
                     children[f"{alpha:g}/{pert}"] = child.run_id or ""
             for p in ("atypical_client.md", "atypical_client.csv", "atypical_client.json",
-                      "atypical_client_seeds.csv", "per_client_z.csv", "persistence_grid.md"):
+                      "atypical_client_seeds.csv", "per_client_z.csv", "persistence_grid.md",
+                      "atypical_client_windows.md"):
                 parent.log_artifact(str(out / p))
             parent.log_artifact(str(out / "figures"))
             status = "FINISHED"
