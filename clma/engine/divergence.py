@@ -43,11 +43,11 @@ import numpy as np
 from clma.config import DivergenceConfig
 from clma.divergence import (
     DivergenceReport,
-    flag_clients,
-    update_persistence,
     RepresentationScorer,
     build_report,
+    flag_clients,
     parameter_baseline,
+    update_persistence,
 )
 from clma.engine.state import ServerAssets
 from clma.params import AllParams, vector_to_model
