@@ -331,7 +331,11 @@ class DivergenceConfig(_Strict):
     flags count: ``representation`` (the default, issue 6), ``parameter`` (the leave-one-out
     cosine baseline, the stronger signal in ``clma experiment atypical-client``), ``either``
     (union) or ``both`` (intersection). Both signals are scored and logged every round
-    whatever ``signal`` is.
+    whatever ``signal`` is. ``flag``: the rule that makes a client "flagged" for each signal
+    (``one_sided`` z > ``z_threshold``, ``two_sided`` |z| > ``z_threshold``, or the default
+    ``persistent``: |EWMA of the clipped z| > ``persistence_threshold``, Roberts 1959;
+    a shifted client is consistently atypical across rounds, in either direction; see
+    docs/atypical_client.md for the measurements behind the default).
     """
 
     enabled: bool = True
@@ -339,6 +343,21 @@ class DivergenceConfig(_Strict):
     z_threshold: Annotated[float, Field(gt=0.0)] = 3.0
     action: Literal["report", "downweight", "exclude"] = "report"
     signal: Literal["representation", "parameter", "either", "both"] = "representation"
+    flag: Literal["one_sided", "two_sided", "persistent"] = Field(
+        default="persistent",
+        description="Which rule flags a client (clma/divergence/flags.py): 'one_sided' "
+        "z > z_threshold; 'two_sided' |z| > z_threshold; 'persistent' |EWMA of the clipped "
+        "z| > persistence_threshold (s_t = lam clip(z_t) + (1 - lam) s_{t-1}, s_0 = 0).",
+    )
+    persistence_lambda: Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)] = Field(
+        default=0.3, description="EWMA weight of the newest round's z (flag='persistent')."
+    )
+    persistence_threshold: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] = Field(
+        default=2.0, description="|EWMA| above which a client is persistently atypical."
+    )
+    persistence_clip: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] = Field(
+        default=5.0, description="|z| is clipped to this before it enters the EWMA."
+    )
     downweight_factor: Annotated[float, Field(gt=0.0, lt=1.0)] = Field(
         default=0.5,
         description="FedAvg weight multiplier of a flagged client when action='downweight'.",

@@ -168,7 +168,8 @@ def _round_metrics(rec: RoundRecord) -> dict[str, float]:
     return m
 
 
-_DIVERGENCE_COUNTS = ("n_flagged", "quarantined_atypical", "n_reweighted", "n_clients")
+_DIVERGENCE_COUNTS = ("n_flagged", "n_flagged_one_sided", "n_flagged_two_sided", "n_persistent",
+                      "quarantined_atypical", "n_reweighted", "n_clients")
 
 
 def _banded_divergence(div: dict[str, Any] | None, min_cohort: int) -> dict[str, Any] | None:

@@ -1,6 +1,7 @@
 """Representation-level divergence: atypical clients from activation-pattern affinity.
 
-Activation patterns on a fixed probe set (:mod:`.patterns`), per-layer activation affinity
+Activation patterns on a fixed probe set (:mod:`.patterns`), one-sided / two-sided /
+persistence flags (:mod:`.flags`), per-layer activation affinity
 (:mod:`.affinity`), layer and hierarchical divergence, robust z-scores, the per-round
 :class:`RepresentationScorer` and the parameter-space cosine baseline (:mod:`.scores`).
 Source: Pérez-Corral et al., "Detecting Atypical Clients in Federated Learning via
@@ -8,6 +9,15 @@ Representation-Level Divergence", arXiv:2605.22266 (2026).
 """
 
 from clma.divergence.affinity import affinities, affinity
+from clma.divergence.flags import (
+    FLAG_KINDS,
+    ewma_step,
+    flag_clients,
+    one_sided_flags,
+    persistent_flags,
+    two_sided_flags,
+    update_persistence,
+)
 from clma.divergence.patterns import (
     LayerPattern,
     activation_patterns,
@@ -31,6 +41,13 @@ from clma.divergence.scores import (
 )
 
 __all__ = [
+    "FLAG_KINDS",
+    "ewma_step",
+    "flag_clients",
+    "one_sided_flags",
+    "persistent_flags",
+    "two_sided_flags",
+    "update_persistence",
     "ClientId",
     "DivergenceConfig",
     "DivergenceReport",

@@ -321,11 +321,15 @@ class FederationEngine:
 
     # ---------------------------------------------------------------- 4. divergence
     def score_divergence(self, ctx: RoundContext) -> DivergenceOutcome | None:
-        """Atypical-client scores (None when ``divergence.enabled`` is false or no update)."""
+        """Atypical-client scores (None when ``divergence.enabled`` is false or no update);
+        updates the server state's persistence EWMA (:mod:`clma.divergence.flags`)."""
         if not self.config.divergence.enabled or not ctx.updates:
             return None
         ctx.divergence = score_divergence(self.config.divergence, self.assets, ctx.updates,
-                                          ctx.start_models, ctx.round)
+                                          ctx.start_models, ctx.round,
+                                          persistence=self.state.divergence_persistence)
+        # the persistence EWMA is server state: committed (and restored) with the round
+        self.state.divergence_persistence = ctx.divergence.persistence or {}
         return ctx.divergence
 
     # ---------------------------------------------------------------- 5. aggregate

@@ -14,7 +14,7 @@ from __future__ import annotations
 import io
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -71,6 +71,9 @@ class ServerState:
         selection_key: 32-byte secret of the client sampling under secure DP-FedAvg
             (None until first used; server-internal, never published): the sample is not
             derivable from published values (the seed is published).
+        divergence_persistence: signal (``representation`` / ``parameter``) -> client id ->
+            EWMA ``s`` of its clipped robust z (:mod:`clma.divergence.flags`); empty until
+            the first scored round. Server-internal, keyed by client id, never published.
     """
 
     registry: CohortRegistry
@@ -79,6 +82,7 @@ class ServerState:
     evaluation: Any = None
     rounds_done: int = 0
     selection_key: bytes | None = None
+    divergence_persistence: dict[str, dict[int, float]] = field(default_factory=dict)
 
     @classmethod
     def fresh(cls, client_ids: list[int], initial_model: np.ndarray) -> ServerState:
@@ -121,6 +125,10 @@ def snapshot_files(state: ServerState) -> dict[str, bytes]:
     }
     if state.selection_key is not None:
         out["selection.json"] = _json_bytes({"key": state.selection_key.hex()})
+    if state.divergence_persistence:
+        out["divergence.json"] = _json_bytes({
+            sig: {str(c): float(v) for c, v in sorted(m.items())}
+            for sig, m in sorted(state.divergence_persistence.items())})
     return out
 
 
@@ -147,5 +155,11 @@ def restore_files(files: Mapping[str, bytes], rounds_done: int) -> ServerState:
     key = None
     if "selection.json" in files:
         key = bytes.fromhex(json.loads(files["selection.json"].decode("utf-8"))["key"])
+    persistence: dict[str, dict[int, float]] = {}
+    if "divergence.json" in files:
+        doc = json.loads(files["divergence.json"].decode("utf-8"))
+        persistence = {str(sig): {int(c): float(v) for c, v in m.items()}
+                       for sig, m in doc.items()}
     return ServerState(registry=registry, cohort_models=models, merge_reference=ref,
-                       evaluation=ev, rounds_done=int(rounds_done), selection_key=key)
+                       evaluation=ev, rounds_done=int(rounds_done), selection_key=key,
+                       divergence_persistence=persistence)

@@ -39,6 +39,10 @@ Scores (:data:`SCORES`; robust z across the round's clients for each):
 * ``parameter``: the parameter baseline (cosine distance of the update to the leave-one-out mean
   update), as in the production round.
 
+Per federation the cells file also holds the two-sided readings (issue 20): the fraction of
+rounds in which the perturbed client has the largest ``|z|``, the AUC of ``|z|`` and the mean
+``|z|`` of the perturbed client. Defaults (issue 20): seeds 0 1 2, 30 rounds.
+
 Reported per (regime, score): the fraction of rounds ``2..R`` in which the perturbed client has
 strictly the highest z, per (alpha, perturbation), averaged over ``--seeds``, and the number of
 (alpha in {10, 1}) x perturbation cells where that mean reaches the issue's 0.8. MLflow: one run
@@ -116,7 +120,8 @@ REGIMES: dict[str, Regime] = {
 }
 
 CELL_COLUMNS = ["regime", "score", "alpha", "perturbation", "seed", "top1_fraction", "auc",
-                "mean_z_shifted", "rounds_scored", "update_spikes"]
+                "mean_z_shifted", "top1_abs_z_fraction", "auc_abs_z", "mean_abs_z_shifted",
+                "rounds_scored", "update_spikes"]
 
 
 # ------------------------------------------------------------------------------ scoring
@@ -260,6 +265,7 @@ def run_cell(regime_name: str, alpha: float, perturbation: str, seed: int, round
         z = np.array(zs[name][1:])  # rounds 2..R
         others = np.delete(z, shifted, axis=1)
         top = int(np.sum(z[:, shifted] > others.max(axis=1)))
+        top_abs = int(np.sum(np.abs(z[:, shifted]) > np.abs(others).max(axis=1)))
         labels = np.zeros_like(z, dtype=int)
         labels[:, shifted] = 1
         finite = np.isfinite(z).all()
@@ -267,7 +273,13 @@ def run_cell(regime_name: str, alpha: float, perturbation: str, seed: int, round
             "regime": regime_name, "score": name, "alpha": alpha, "perturbation": perturbation,
             "seed": seed, "top1_fraction": top / z.shape[0],
             "auc": float(roc_auc_score(labels.ravel(), z.ravel())) if finite else math.nan,
-            "mean_z_shifted": float(np.mean(z[:, shifted])), "rounds_scored": z.shape[0],
+            "mean_z_shifted": float(np.mean(z[:, shifted])),
+            # two-sided readings (issue 20): a shifted client can diverge much *less*
+            "top1_abs_z_fraction": top_abs / z.shape[0],
+            "auc_abs_z": (float(roc_auc_score(labels.ravel(), np.abs(z).ravel()))
+                          if finite else math.nan),
+            "mean_abs_z_shifted": float(np.mean(np.abs(z[:, shifted]))),
+            "rounds_scored": z.shape[0],
             "update_spikes": spikes,
         })
     return out
@@ -326,9 +338,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Dirichlet concentrations (default: 10 1)")
     parser.add_argument("--perturbations", nargs="+", choices=PERTURBATIONS,
                         default=list(PERTURBATIONS), help="perturbations (default: all three)")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1],
-                        help="federation seeds (default: 0 1)")
-    parser.add_argument("--rounds", type=int, default=10, help="rounds (default 10)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
+                        help="federation seeds (default: 0 1 2)")
+    parser.add_argument("--rounds", type=int, default=30,
+                        help="rounds (default 30, the paper's horizon)")
     parser.add_argument("--clients", type=int, default=10, help="clients (default 10)")
     parser.add_argument("--workers", type=int, default=2,
                         help="worker processes (default 2)")

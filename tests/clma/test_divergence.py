@@ -520,3 +520,70 @@ def test_parameter_baseline_rejects_bad_input() -> None:
         parameter_baseline(np.ones((3, 2), dtype=np.float32), weights=[-1.0, 1.0, 1.0])
     with pytest.raises(TypeError, match="floating"):
         parameter_baseline(np.ones((3, 2), dtype=np.int64))
+
+
+# ------------------------------------------------------------------ flags (clma.divergence.flags)
+
+
+def test_two_sided_flag_is_abs_z_strictly_above_threshold():
+    from clma.divergence import one_sided_flags, two_sided_flags
+
+    z = {0: 3.0, 1: -3.0, 2: 3.0001, 3: -3.0001, 4: 2.9999, 5: -2.9999, 6: float("nan"),
+         7: -6.11}
+    # at the threshold: not flagged (strict); just above |z|: flagged; below: not
+    assert two_sided_flags(z, 3.0) == [2, 3, 7]
+    assert one_sided_flags(z, 3.0) == [2]
+    assert two_sided_flags(z, 6.11) == []
+    assert two_sided_flags(z, 6.10) == [7]
+    with pytest.raises(ValueError, match="z_threshold"):
+        two_sided_flags(z, 0.0)
+
+
+def test_ewma_step_is_the_literal_recursion():
+    from clma.divergence import ewma_step
+
+    # s_t = lam * clip(z_t, -c, c) + (1 - lam) * s_{t-1}, by hand
+    assert ewma_step(0.0, 3.0, lam=0.3, clip=5.0) == pytest.approx(0.9)
+    assert ewma_step(0.9, 3.0, lam=0.3, clip=5.0) == pytest.approx(0.3 * 3 + 0.7 * 0.9)
+    assert ewma_step(1.0, 20.0, lam=0.3, clip=5.0) == pytest.approx(0.3 * 5 + 0.7)
+    assert ewma_step(1.0, -20.0, lam=0.3, clip=5.0) == pytest.approx(-1.5 + 0.7)
+    assert ewma_step(2.0, 7.0, lam=1.0, clip=5.0) == 5.0
+    for bad in ({"lam": 0.0}, {"lam": 1.1}, {"clip": -1.0}):
+        with pytest.raises(ValueError):
+            ewma_step(0.0, 1.0, **bad)
+    with pytest.raises(ValueError, match="finite"):
+        ewma_step(float("nan"), 1.0)
+
+
+def test_persistence_over_rounds_and_its_threshold():
+    from clma.divergence import flag_clients, persistent_flags, update_persistence
+
+    lam, clip = 0.3, 5.0
+    traces = {0: [3.0, 3.0, 3.0, 3.0], 1: [20.0, 0.0, 0.0, 0.0], 2: [-3.0] * 4,
+              3: [0.5, -0.5, 0.5, -0.5]}
+    state: dict[int, float] = {}
+    by_hand = dict.fromkeys(traces, 0.0)
+    for t in range(4):
+        z = {c: v[t] for c, v in traces.items()}
+        state = update_persistence(state, z, lam=lam, clip=clip)
+        for c in traces:
+            by_hand[c] = lam * max(-clip, min(clip, traces[c][t])) + (1 - lam) * by_hand[c]
+        assert state == pytest.approx(by_hand)
+    # constant z = 3: s_4 = 3 (1 - 0.7^4) = 2.2797; one spike of 20 clipped: 1.5 * 0.7^3
+    assert state[0] == pytest.approx(3 * (1 - 0.7 ** 4))
+    assert state[1] == pytest.approx(1.5 * 0.7 ** 3)
+    assert state[2] == pytest.approx(-state[0])
+    s0 = state[0]
+    assert persistent_flags(state, 2.0) == [0, 2]  # above, two-sided
+    assert persistent_flags(state, s0) == []  # at the threshold: not flagged (strict)
+    assert persistent_flags(state, s0 - 1e-9) == [0, 2]  # just below
+    assert persistent_flags(state, 2.0, clients=[0, 1]) == [0]
+    assert flag_clients("persistent", {0: 0.0, 1: 0.0}, state, z_threshold=3.0,
+                        persistence_threshold=2.0) == [0]
+    # one round's spike alone never raises the flag at the defaults (lam * clip = 1.5 < 2)
+    assert persistent_flags(update_persistence({}, {9: 1e6}), 2.0) == []
+    # absent clients and NaN z keep their state; new clients start at 0
+    nxt = update_persistence(state, {0: float("nan"), 5: 1.0}, lam=lam, clip=clip)
+    assert nxt[0] == state[0] and nxt[5] == pytest.approx(0.3) and nxt[3] == state[3]
+    with pytest.raises(ValueError, match="divergence.flag"):
+        flag_clients("both", {}, {}, z_threshold=3.0, persistence_threshold=2.0)

@@ -29,19 +29,23 @@ N_CLIENTS = 8
 ODD = 3  # the client whose first layer is re-randomised
 
 
-def _config(action: str = "report", clients: int = N_CLIENTS, signal: str = "representation"):
+def _config(action: str = "report", clients: int = N_CLIENTS, signal: str = "representation",
+            flag: str = "one_sided", **extra):
+    """One round's tests use the one-sided flag (a single round: no persistence yet)."""
     return validate_config({
         "name": "div-task", "seed": 5, "rounds": 2, "clients": clients,
         "data": {"probe_size": 48},
         "training": {"local_epochs": 1},
-        "divergence": {"action": action, "z_threshold": 3.0, "beta": 1.0, "signal": signal},
+        "divergence": {"action": action, "z_threshold": 3.0, "beta": 1.0, "signal": signal,
+                       "flag": flag, **extra},
         "tracking": {"enabled": False}, "budget": {"enabled": False},
     })
 
 
-def _fed(action: str = "report", clients: int = N_CLIENTS, signal: str = "representation"):
+def _fed(action: str = "report", clients: int = N_CLIENTS, signal: str = "representation",
+         flag: str = "one_sided", **extra):
     """The server's engine of the tiny federation over its simulated clients."""
-    cfg = _config(action, clients, signal)
+    cfg = _config(action, clients, signal, flag, **extra)
     sim = build_federation(cfg)
     return FederationEngine(cfg, sim.assets(), SimulatedClients(sim))
 
@@ -130,8 +134,11 @@ def test_summary_has_no_client_ids_and_records_probe(scored):
     assert s["representation"]["n_flagged"] == 1
     assert s["representation"]["n_clients"] == N_CLIENTS
     assert s["parameter"]["leave_one_out"] is True
-    assert set(s["representation"]) == {"median", "mad", "scale", "scale_rule", "max_z",
-                                         "n_flagged", "n_clients", "z_threshold"}
+    assert set(s["representation"]) == {
+        "median", "mad", "scale", "scale_rule", "max_z", "min_z", "n_flagged",
+        "n_flagged_one_sided", "n_flagged_two_sided", "n_persistent", "persistence_max_abs",
+        "n_clients", "z_threshold"}
+    assert s["flag"] == "one_sided"
     assert "flagged" not in s["representation"] and "scores" not in s["representation"]
 
 
@@ -241,3 +248,73 @@ def test_bad_input_is_one_clear_error(scored):
         _score(fed, [], start, 1)
     with pytest.raises(ValueError, match="distinct"):
         _score(fed, [updates[0], updates[0]], start, 1)
+
+
+# ------------------------------------------------------------------ flags in the engine
+
+
+def test_two_sided_flag_catches_a_client_far_below_the_others(scored):
+    """A client whose representation barely moves (scored against its own local model:
+    D = 0) is far *below* the others: one-sided misses it, two-sided flags it."""
+    fed, updates, start, _ = scored
+    u0 = updates[0]
+    moved = [ClientUpdate(0, 7, u0.params, u0.n_samples, False), *updates[1:]]
+    starts = {**start, 7: u0.params.copy()}
+    for flag, want_in in (("one_sided", False), ("two_sided", True)):
+        out = score_divergence(_config(flag=flag).divergence, fed.assets, moved, starts, 2)
+        z0 = out.representation.z[0]
+        assert (0 in out.flag_sets["representation"]) is want_in
+        assert (0 in out.flag_sets["representation"]) is (
+            (abs(z0) if flag == "two_sided" else z0) > 3.0)
+    assert z0 < -3.0
+
+
+def test_persistence_state_is_the_ewma_of_the_clipped_z(scored):
+    """s_t = lam clip(z_t) + (1 - lam) s_{t-1} per signal and client, from the state passed
+    in; the flag is |s_t| > persistence_threshold; the state is not mutated."""
+    fed, updates, start, _ = scored
+    cfg = _config(flag="persistent", persistence_lambda=0.4, persistence_threshold=1.0,
+                  persistence_clip=2.5).divergence
+    before = {"representation": {c: 0.5 * (-1) ** c for c in range(N_CLIENTS)},
+              "parameter": {1: -3.0}}
+    snapshot = {k: dict(v) for k, v in before.items()}
+    out = score_divergence(cfg, fed.assets, updates, start, 2, persistence=before)
+    assert before == snapshot
+    for sig, rep in (("representation", out.representation), ("parameter", out.parameter)):
+        for c, z in rep.z.items():
+            prev = before[sig].get(c, 0.0)
+            want = 0.4 * min(max(z, -2.5), 2.5) + 0.6 * prev
+            assert out.persistence[sig][c] == pytest.approx(want, abs=1e-12)
+        assert out.flag_sets[sig] == sorted(
+            c for c in rep.z if abs(out.persistence[sig][c]) > 1.0)
+    assert out.flagged == out.flag_sets["representation"]
+
+
+def test_engine_keeps_persistence_in_server_state_and_snapshots_it(scored):
+    from clma.engine.state import restore_files, snapshot_files
+
+    _, updates, start, _ = scored
+    eng = _fed(flag="persistent")
+    assert eng.state.divergence_persistence == {}
+    ctx = eng.begin_round(1)
+    ctx.start_models, ctx.updates = dict(start), list(updates)
+    out = eng.score_divergence(ctx)
+    assert eng.state.divergence_persistence == out.persistence
+    assert set(out.persistence["representation"]) == set(range(N_CLIENTS))
+    files = snapshot_files(eng.state)
+    assert "divergence.json" in files
+    back = restore_files(files, 1)
+    assert back.divergence_persistence == out.persistence
+    # the published summary has no client id and no per-client s
+    s = out.summary()
+    assert "persistence" not in s and str(out.persistence) not in str(s)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("flag", "sometimes"), ("persistence_lambda", 0.0), ("persistence_lambda", 1.5),
+    ("persistence_threshold", -1.0), ("persistence_clip", 0.0)])
+def test_bad_flag_settings_name_the_field(field, value):
+    from clma.config import ConfigError
+
+    with pytest.raises(ConfigError, match=f"divergence.{field}"):
+        validate_config({"name": "x", "divergence": {field: value}})
