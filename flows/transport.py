@@ -15,7 +15,6 @@ state folder and never inside it).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,21 +24,33 @@ from clma.engine import Clients, ServerAssets
 __all__ = ["Transport", "device_dir_for", "open_transport"]
 
 
-@dataclass
 class Transport:
     """An open transport: the clients and the server's assets; for simulations also the
     simulated world and an in-process view of its devices' data for ground truth
     (``simulation`` / ``truth``; None for real clients); ``details``: what
     ``summary.json`` records about it (``federation.transport_details``, e.g. the Flower
-    run id), None for none."""
+    run id), None for none.
 
-    name: str
-    clients: Clients
-    assets: ServerAssets
-    simulation: Any = None  # clma.sim.federation.SimulatedFederation
-    truth: Any = None  # clma.sim.clients.SimulatedClients (ground truth only)
-    executor: str = "in-process"
-    details: dict[str, Any] | None = None
+    Not a dataclass, and without ``__dict__``: Prefect records a flow's parameters with
+    FastAPI's ``jsonable_encoder``, which deep-copies dataclasses (``dataclasses.asdict``:
+    the simulated world, a Dask client's event loop) and walks ``vars()``; a slotted
+    object is recorded as ``<Transport>`` at once."""
+
+    __slots__ = ("name", "clients", "assets", "simulation", "truth", "executor", "details")
+
+    def __init__(self, name: str, clients: Clients, assets: ServerAssets,
+                 simulation: Any = None, truth: Any = None, executor: str = "in-process",
+                 details: dict[str, Any] | None = None) -> None:
+        self.name = name
+        self.clients = clients
+        self.assets = assets
+        self.simulation = simulation  # clma.sim.federation.SimulatedFederation
+        self.truth = truth  # clma.sim.clients.SimulatedClients (ground truth only)
+        self.executor = executor
+        self.details = details
+
+    def __repr__(self) -> str:
+        return f"<Transport {self.name} ({self.executor})>"
 
     def close(self) -> None:
         self.clients.close()
