@@ -158,7 +158,15 @@ def open_dask_clients(config: FederationConfig, roster: Roster,
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise ImportError("federation.transport 'dask' needs the 'dask' extra: "
                           "pip install 'clma[dask]'") from exc
-    cluster, client = _connect(distributed, orch.dask_local_workers, orch.dask_address)
+    cluster = None
+    if orch.dask_local_workers is not None:
+        cluster = distributed.LocalCluster(n_workers=orch.dask_local_workers,
+                                           threads_per_worker=1, processes=True,
+                                           dashboard_address=":0")
+        address = cluster.scheduler_address
+    else:
+        address = str(orch.dask_address)
+    client = distributed.Client(address)
     try:
         return DaskClients(client, config, device_dir, roster, cluster=cluster)
     except BaseException:
@@ -166,37 +174,3 @@ def open_dask_clients(config: FederationConfig, roster: Roster,
         if cluster is not None:
             cluster.close()
         raise
-
-
-def _connect(distributed: Any, local_workers: int | None, address: Any) -> tuple[Any, Any]:
-    """A (LocalCluster or None, Client) pair, made in a thread of its own with no asyncio
-    event loop: the caller may be a Prefect flow whose thread holds an event loop that
-    tornado has already bound an IOLoop to ("IOLoop ... already associated with asyncio
-    loop"); a synchronous Client made there runs its own loop thread and is then usable
-    from any thread."""
-    import threading
-
-    out: dict[str, Any] = {}
-
-    def make() -> None:
-        try:
-            cluster = None
-            addr = address
-            if local_workers is not None:
-                cluster = distributed.LocalCluster(n_workers=local_workers,
-                                                   threads_per_worker=1, processes=True,
-                                                   dashboard_address=":0")
-                addr = cluster.scheduler_address
-            out["cluster"] = cluster
-            out["client"] = distributed.Client(str(addr))
-        except BaseException as exc:  # re-raised in the caller's thread
-            out["error"] = exc
-
-    t = threading.Thread(target=make, name="clma-dask-connect", daemon=True)
-    t.start()
-    t.join()
-    if "error" in out:
-        if out.get("cluster") is not None:
-            out["cluster"].close()
-        raise out["error"]
-    return out["cluster"], out["client"]
