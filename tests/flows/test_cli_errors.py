@@ -196,7 +196,8 @@ def test_experiment_negative_seed_is_a_config_error(capsys, name, argv):
 # install it needs (one line, exit 2) instead of a traceback.
 
 
-@pytest.mark.parametrize("argv", [["run", "--quiet"], ["approve", "x", "--approver", "a"],
+@pytest.mark.parametrize("argv", [["run", "--quiet"], ["approve", "x", "--approver", "a", "--key", "k.pem",
+                                   "--reason", "r"],
                                   ["serve"], ["experiment", "atypical-client"]])
 def test_without_prefect_names_the_server_extra(capsys, monkeypatch, argv):
     monkeypatch.setitem(sys.modules, "prefect", None)  # find_spec("prefect") -> None
