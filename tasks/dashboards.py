@@ -25,7 +25,7 @@ Rounds where a region was not published are gaps (NaN), not zeros. A release who
 interval is as wide as the whole clip range (``2 * error_bar >= clip_high - clip_low``, e.g.
 a dropout rate of 0.79 +- 0.9 on [0, 1]: the band covers the whole range) says nothing: it
 is a gap, and a panel (region) with nothing else is not drawn (the figure names
-it); a metric with no informative release at all gets no figure. Round axes have integer
+it); a metric with no informative release at all gets a notice instead of panels. Round axes have integer
 ticks and start at round 1; figures are rendered at :data:`DPI` dots per inch, at least
 :data:`MIN_WIDTH_PX` pixels wide.
 
@@ -210,8 +210,8 @@ def dashboard_figures(history: DashboardHistory) -> dict[str, Any]:
     """One matplotlib figure per metric (a panel per region; see module docs).
 
     Returns ``metric -> Figure``; the caller closes them (:func:`publish_dashboards` does).
-    A metric whose every release is uninformative (error bar over the whole clip range)
-    has no figure.
+    A metric whose every release is uninformative (error bar as wide as the clip range)
+    gets a notice figure without panels that says so.
     """
     import matplotlib
 
@@ -231,7 +231,13 @@ def dashboard_figures(history: DashboardHistory) -> dict[str, Any]:
                 noise_only.append(region)  # only noise was published: no panel
             else:
                 regions.append(region)
-        if not regions:
+        if not regions:  # nothing but noise was published: a notice, no panel
+            fig = plt.figure(figsize=(MIN_WIDTH_PX / DPI, 2.2), dpi=DPI)
+            fig.text(0.5, 0.5, f"{name}: no informative release to draw\n"
+                     "every published 95% error bar is as wide as the whole range "
+                     f"({', '.join(noise_only)}): the values are noise", ha="center",
+                     va="center", fontsize=10, wrap=True)
+            figs[name] = fig
             continue
         ncols = min(3, len(regions))
         nrows = math.ceil(len(regions) / ncols)
@@ -367,9 +373,6 @@ def publish_dashboards(history: DashboardHistory, report: Mapping[str, Any], *,
     try:
         folder = Path(out_dir) / "dashboards" if out_dir else Path(tmp.name)  # type: ignore[union-attr]
         folder.mkdir(parents=True, exist_ok=True)
-        if out_dir:  # a metric no longer drawn (only noise) leaves no stale figure
-            for name in set(history.series) - set(figs):
-                (folder / f"{name}.png").unlink(missing_ok=True)
         for name, fig in figs.items():
             path = folder / f"{name}.png"
             fig.savefig(path, dpi=DPI)  # rendered once, the same file goes to MLflow

@@ -360,18 +360,21 @@ def test_health_panel_of_pure_noise_is_not_drawn(tmp_path, artefacts):
                           health={"regions": {"north": _noise(v)}, "global": _noise(v / 2)}))
     figs = dashboard_figures(h)
     try:
-        assert "health.dropout_rate" not in figs  # every release covers [0, 1]: no figure
-        assert "accuracy" in figs
+        _keep(figs, artefacts, "health-noise")
+        fig = figs["health.dropout_rate"]
+        assert fig.axes == []  # every release is as wide as [0, 1]: no panel, a notice
+        text = " ".join(t.get_text() for t in fig.texts)
+        assert "no informative release" in text and "north, global" in text
+        assert fig.get_size_inches()[0] * fig.dpi >= MIN_WIDTH_PX
+        assert [a.get_title() for a in figs["accuracy"].axes if a.get_visible()] == [
+            "accuracy - north", "accuracy - global"]
     finally:
         for f in figs.values():
             plt.close(f)
-    stale = tmp_path / "dashboards" / "health.dropout_rate.png"
-    stale.parent.mkdir(parents=True)
-    stale.write_bytes(b"old")
     out = publish_dashboards(h, _rep(4, {"north": _acc(0.9, 0.1)},
                                      health={"regions": {"north": _noise()}}),
                              federation="f", out_dir=str(tmp_path), prefect_artifacts=False)
-    assert "health.dropout_rate" not in out and not stale.exists()
+    assert _png_size(out["health.dropout_rate"])[0] >= MIN_WIDTH_PX
 
 
 def test_health_panel_is_honest_when_partly_informative(artefacts):
