@@ -201,7 +201,9 @@ class BudgetConfig(_Strict):
     state_dir: str | None = Field(
         default=None,
         description="Folder of the durable ledger (reuse it to resume a federation); "
-        "None = a fresh temporary folder per run.",
+        "None = the federation's state dir (STATE_DIR/ledger) when it has one, else "
+        "OUT/ledger of the run's --out folder (started fresh by each run into that folder), "
+        "else a temporary folder removed at the end of the run.",
     )
     policy: str | None = Field(
         default=None,

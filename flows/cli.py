@@ -155,18 +155,36 @@ def _fmt_regional(rec_regional: dict[str, Any] | None) -> str:
 
 
 def _check_out(args: argparse.Namespace) -> None:
-    """--out must be a folder we can create or write, checked before any training."""
+    """--out must be a folder we can create or write, checked before any training. Nothing
+    is created here: a run that fails validation leaves no empty --out folder behind
+    (:func:`_make_out` creates it once every check passed)."""
     from clma.config import ConfigError
 
     out = args.out
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {str(out)!r}: exists and is not a folder")
+    probe = out
+    while not probe.exists():  # the nearest existing ancestor decides whether mkdir can work
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ConfigError(f"--out {str(out)!r}: cannot be created ({str(probe)!r} is not a "
+                          "folder)")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        what = "is not writable" if probe == out else f"cannot be created ({str(probe)!r} " \
+            "is not writable)"
+        raise ConfigError(f"--out {str(out)!r}: {what}")
+
+
+def _make_out(args: argparse.Namespace) -> None:
+    """Create --out (after validation passed)."""
+    from clma.config import ConfigError
+
     try:
-        out.mkdir(parents=True, exist_ok=True)
+        args.out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise ConfigError(f"--out {str(out)!r}: cannot be created ({exc.strerror})") from None
-    if not os.access(out, os.W_OK):
-        raise ConfigError(f"--out {str(out)!r}: is not writable")
+        raise ConfigError(f"--out {str(args.out)!r}: cannot be created ({exc.strerror})") from None
 
 
 def _check_state_dir(args: argparse.Namespace, cfg: Any = None) -> int:
@@ -218,6 +236,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
             build_federation(cfg)
     except (ValueError, OSError) as exc:
         print(f"clma: invalid configuration: {exc}", file=sys.stderr)
+        return 2
+    try:
+        _make_out(args)  # only now: a run refused above leaves no --out folder
+    except ConfigError as exc:
+        print(f"clma: {exc}", file=sys.stderr)
         return 2
 
     if cfg.seeded_noise:

@@ -49,6 +49,7 @@ from tasks.tracking import FederationTracker
 __all__ = ["RoundRecord", "federation_flow", "round_flow", "run_federation", "SUMMARY_SCHEMA"]
 
 SUMMARY_SCHEMA = "clma.summary/2"
+LEDGER_SUBDIR = "ledger"  # the ledger of a run without a state dir: <out>/ledger
 
 
 @dataclass
@@ -338,6 +339,7 @@ def federation_flow(
         config, state_dir, out_dir,
         require=None if resume is None else ("existing" if resume else "fresh"))
     tracker: FederationTracker | None = None
+    budget = None
     own_transport = transport is None
     try:  # set-up; the round loop's own try/finally releases everything after it
         config = session.config  # with a state dir, the ledger lives in it
@@ -346,7 +348,9 @@ def federation_flow(
             raise ConfigError(refusal)
         if transport is None:
             transport = open_transport(config, state_dir)
-        budget = open_budget(config) if config.budget.enabled else None
+        if config.budget.enabled:  # budget.state_dir / the state dir, else <out>/ledger
+            budget = open_budget(config, fresh=True, default_dir=(
+                str(Path(out_dir) / LEDGER_SUBDIR) if out_dir else None))
         engine = FederationEngine(config, transport.assets, transport.clients, budget=budget,
                                   state=session.restore_state())
         session.engine = engine
@@ -386,6 +390,8 @@ def federation_flow(
             with contextlib.suppress(Exception):
                 transport.close()
         session.close("FAILED")
+        if budget is not None:
+            budget.close()  # a temporary ledger is removed
         raise
     records: list[RoundRecord] = []
     status = "FAILED"
@@ -414,6 +420,8 @@ def federation_flow(
                 tracker.log_dict(cohort_history_artifact(engine), "cohort_history.json")
             tracker.finish(status)
         session.close(status)
+        if budget is not None:
+            budget.close()  # a temporary ledger is removed
     summary = build_summary(
         engine, transport,
         session.previous_records(RoundRecord) + records,

@@ -9,13 +9,25 @@ resumed federation draws its whole history).
 Each figure (``dashboards/<metric>.png``) has one panel per region plus ``global``:
 
 1. the uncertainty band ``value +- error_bar`` is drawn FIRST (``fill_between``, lowest
-   z-order), so the eye meets the uncertainty before the number;
+   z-order), so the eye meets the uncertainty before the number; a release with no
+   published neighbour (a single point, which a band cannot show) gets an error bar
+   (``errorbar``) instead;
 2. the published value as a line with markers SECOND;
-3. the contributors band (participant band of the latest release; ``suppressed`` when the
-   region was not published) labelled on EVERY panel;
+3. the contributors band labelled on EVERY panel: the participant band of the LAST
+   PUBLISHED release (with its round when a later round was not published), and why the
+   latest round was not published when it was not: ``suppressed (floor)`` (the group was
+   under the cohort floor), ``refused (budget)`` (the ledger refused the charge),
+   ``not released (off cadence)``, ``not evaluated (aggregation aborted)``,
+   ``merged into <group>``;
 4. alerts marked with a red triangle at the alerted round and value.
 
-Rounds where a region was suppressed are gaps (NaN), not zeros.
+Rounds where a region was not published are gaps (NaN), not zeros. A release whose 95 %
+interval is as wide as the whole clip range (``2 * error_bar >= clip_high - clip_low``, e.g.
+a dropout rate of 0.79 +- 0.9 on [0, 1]: the band covers the whole range) says nothing: it
+is a gap, and a panel (region) with nothing else is not drawn (the figure names
+it); a metric with no informative release at all gets a notice instead of panels. Round axes have integer
+ticks and start at round 1; figures are rendered at :data:`DPI` dots per inch, at least
+:data:`MIN_WIDTH_PX` pixels wide.
 
 Outputs per evaluation round (:func:`publish_dashboards`): the PNGs logged to MLflow
 (``log_figure``, ``dashboards/<metric>.png``, overwritten: the latest figure holds the
@@ -46,6 +58,13 @@ __all__ = [
 ]
 
 GLOBAL = "global"
+DPI = 150
+MIN_WIDTH_PX = 1200
+PUBLISHED = "published"
+SUPPRESSED = "suppressed (floor)"
+REFUSED = "refused (budget)"
+OFF_CADENCE = "not released (off cadence)"
+ABORTED = "not evaluated (aggregation aborted)"
 
 
 class SeriesPoint(BaseModel):
@@ -60,6 +79,27 @@ class SeriesPoint(BaseModel):
     band: str = "suppressed"
     clip_low: float | None = None
     clip_high: float | None = None
+    # why a round has no value (:data:`SUPPRESSED`, :data:`REFUSED`, ...); "" in histories
+    # stored before the field existed (read as suppressed)
+    status: str = ""
+
+    @property
+    def published(self) -> bool:
+        return self.value is not None
+
+    @property
+    def why_not_published(self) -> str:
+        return self.status or SUPPRESSED
+
+    @property
+    def uninformative(self) -> bool:
+        """The release is noise: its 95 % interval ``value +- error_bar`` is at least as wide
+        as the whole clip range (``2 * error_bar >= clip_high - clip_low``), so wherever the
+        noise put the value, the clamped band covers (nearly) all of the range."""
+        if self.value is None or self.clip_low is None or self.clip_high is None:
+            return False
+        width = float(self.clip_high) - float(self.clip_low)
+        return width > 0 and 2.0 * float(self.error_bar or 0.0) >= width
 
 
 class DashboardHistory(BaseModel):
@@ -89,13 +129,13 @@ class DashboardHistory(BaseModel):
             for region in set(by_region) | set(regions):
                 pub = regions.get(region)
                 if pub is None or pub.get("value") is None:
-                    pt = SeriesPoint(round=rnd)
+                    pt = SeriesPoint(round=rnd, status=_why_missing(report, name, region))
                 else:
                     pt = SeriesPoint(round=rnd, value=float(pub["value"]),
                                      error_bar=float(pub.get("error_bar") or 0.0),
                                      band=str(pub.get("participant_band", "unknown")),
                                      clip_low=pub.get("clip_low"),
-                                     clip_high=pub.get("clip_high"))
+                                     clip_high=pub.get("clip_high"), status=PUBLISHED)
                 by_region.setdefault(region, []).append(pt)
                 by_region[region].sort(key=lambda p: p.round)
         for a in report.get("alerts", []):
@@ -124,6 +164,44 @@ def _published_metrics(report: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _why_missing(report: Mapping[str, Any], name: str, region: str) -> str:
+    """Why ``name`` has no published value for ``region`` in ``report``: the ledger's view
+    (``budget``: refused / off cadence), aborted aggregation, a merge, else the floor."""
+    budget = report.get("budget") or {}
+    entry = f"{GLOBAL if region == GLOBAL else 'regional'}.{name}"
+    if entry in (budget.get("refused") or {}):
+        return REFUSED
+    if entry in (budget.get("off_cadence") or []):
+        return OFF_CADENCE
+    if any(r.get("name") == name and r.get("region") == region
+           for r in report.get("refused_releases") or []):
+        return REFUSED  # planned but not drawn (no ledger view: not approved)
+    if region in (report.get("not_evaluated") or []):
+        return ABORTED
+    for rep in (report.get("metrics") or {}).values():
+        for group, members in (rep.get("merged_regions") or {}).items():
+            if region != group and region in members:
+                return f"merged into {group}"
+    return SUPPRESSED
+
+
+def _contributors_label(pts: Sequence[SeriesPoint]) -> str:
+    """The contributors text of a panel: band of the last published release, and why the
+    latest round was not published when it was not."""
+    if not pts:
+        return "contributors: none published"
+    latest = pts[-1]
+    last_pub = next((p for p in reversed(pts) if p.published), None)
+    if latest.published:
+        text = f"contributors: {latest.band}"
+        if latest.uninformative:
+            text += "\n(latest release uninformative: its bar covers the whole range)"
+        return text
+    head = ("contributors: none published" if last_pub is None
+            else f"contributors: {last_pub.band} (round {last_pub.round})")
+    return f"{head}\nround {latest.round}: {latest.why_not_published}"
+
+
 def _regions_order(regions: Sequence[str]) -> list[str]:
     return sorted(r for r in regions if r != GLOBAL) + ([GLOBAL] if GLOBAL in regions else [])
 
@@ -132,40 +210,69 @@ def dashboard_figures(history: DashboardHistory) -> dict[str, Any]:
     """One matplotlib figure per metric (a panel per region; see module docs).
 
     Returns ``metric -> Figure``; the caller closes them (:func:`publish_dashboards` does).
+    A metric whose every release is uninformative (error bar as wide as the clip range)
+    gets a notice figure without panels that says so.
     """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
+    from matplotlib.ticker import MaxNLocator
 
     figs: dict[str, Any] = {}
+    last_round = max([1, *history.rounds])
     for name, by_region in sorted(history.series.items()):
-        regions = _regions_order(list(by_region))
-        if not regions:
+        regions, noise_only = [], []
+        for region in _regions_order(list(by_region)):
+            pts = by_region[region]
+            if (any(p.uninformative for p in pts)
+                    and not any(p.published and not p.uninformative for p in pts)):
+                noise_only.append(region)  # only noise was published: no panel
+            else:
+                regions.append(region)
+        if not regions:  # nothing but noise was published: a notice, no panel
+            fig = plt.figure(figsize=(MIN_WIDTH_PX / DPI, 2.2), dpi=DPI)
+            fig.text(0.5, 0.5, f"{name}: no informative release to draw\n"
+                     "every published 95% error bar is as wide as the whole range "
+                     f"({', '.join(noise_only)}): the values are noise", ha="center",
+                     va="center", fontsize=10, wrap=True)
+            figs[name] = fig
             continue
         ncols = min(3, len(regions))
         nrows = math.ceil(len(regions) / ncols)
-        fig, axes = plt.subplots(nrows, ncols, figsize=(max(6.5, 4.2 * ncols), 3.2 * nrows),
+        width = max(MIN_WIDTH_PX / DPI, 4.6 * ncols)
+        fig, axes = plt.subplots(nrows, ncols, figsize=(width, 3.4 * nrows + 0.9), dpi=DPI,
                                  squeeze=False, sharex=True)
         for ax in axes.flat[len(regions):]:
             ax.set_visible(False)
         for ax, region in zip(axes.flat, regions, strict=False):
             pts = by_region[region]
+            shown = [p.published and not p.uninformative for p in pts]
             x = np.array([p.round for p in pts], dtype=float)
-            y = np.array([np.nan if p.value is None else p.value for p in pts], dtype=float)
-            bar = np.array([np.nan if p.error_bar is None else p.error_bar for p in pts],
-                           dtype=float)
+            y = np.array([p.value if ok else np.nan for p, ok in zip(pts, shown, strict=True)],
+                         dtype=float)
+            bar = np.array([float(p.error_bar or 0.0) if ok else np.nan
+                            for p, ok in zip(pts, shown, strict=True)], dtype=float)
             # the band is clamped to the metric's clip range, like the envelope's interval
             # (post-processing): an accuracy band never leaves [0, 1]
             lo = np.array([-np.inf if p.clip_low is None else p.clip_low for p in pts])
             hi = np.array([np.inf if p.clip_high is None else p.clip_high for p in pts])
+            low, high = np.maximum(y - bar, lo), np.minimum(y + bar, hi)
             # 1. uncertainty band first (drawn below everything else)
-            ax.fill_between(x, np.maximum(y - bar, lo), np.minimum(y + bar, hi),
-                            color="tab:blue", alpha=0.25, lw=0,
+            ax.fill_between(x, low, high, color="tab:blue", alpha=0.25, lw=0,
                             zorder=1, label="95% error bar")
+            # ... and an error bar where a band cannot show: a release with no published
+            # neighbour (a single point)
+            alone = [i for i, ok in enumerate(shown) if ok
+                     and not (i > 0 and shown[i - 1]) and not (i + 1 < len(shown) and shown[i + 1])]
+            if alone:
+                idx = np.array(alone)
+                ax.errorbar(x[idx], y[idx], yerr=np.vstack([y[idx] - low[idx], high[idx] - y[idx]]),
+                            fmt="none", ecolor="tab:blue", elinewidth=1.5, capsize=5,
+                            alpha=0.6, zorder=1.5, label="95% error bar (single release)")
             # 2. the published value second
-            ax.plot(x, y, color="tab:blue", marker="o", ms=3, lw=1.5, zorder=2,
+            ax.plot(x, y, color="tab:blue", marker="o", ms=4, lw=1.5, zorder=2,
                     label="published value")
             # 4. alerts
             fired = [a for a in history.alerts if a.get("metric") == name
@@ -174,19 +281,31 @@ def dashboard_figures(history: DashboardHistory) -> dict[str, Any]:
                 ax.scatter([a["round"] for a in fired], [a["value"] for a in fired],
                            marker="v", s=60, color="tab:red", zorder=3, label="alert")
             # 3. contributors band, on every panel
-            latest = pts[-1] if pts else None
-            band = latest.band if latest is not None else "suppressed"
-            ax.text(0.02, 0.96, f"contributors: {band}", transform=ax.transAxes, va="top",
+            ax.text(0.02, 0.96, _contributors_label(pts), transform=ax.transAxes, va="top",
                     fontsize=7, bbox={"boxstyle": "round", "fc": "white", "alpha": 0.8},
                     zorder=4)
+            finite_lo = [p.clip_low for p in pts if p.clip_low is not None]
+            finite_hi = [p.clip_high for p in pts if p.clip_high is not None]
+            if finite_lo and finite_hi and np.isfinite(y).any():
+                c_lo, c_hi = min(finite_lo), max(finite_hi)
+                pad = 0.05 * (c_hi - c_lo) if c_hi > c_lo else 0.05
+                y0, y1 = ax.get_ylim()
+                ax.set_ylim(max(y0, c_lo - pad), min(y1, c_hi + pad))
             ax.set_title(f"{name} - {region}", fontsize=9)
             ax.tick_params(labelsize=7)
             ax.grid(alpha=0.3)
+        for ax in axes.flat:  # shared: integer rounds from 1
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
+            ax.set_xlim(0.5, last_round + 0.5)
         for ax in axes[-1]:
             ax.set_xlabel("round", fontsize=8)
         axes.flat[0].legend(fontsize=6, loc="lower right")
-        fig.suptitle(f"{name}: published value with its 95% error band\n"
-                     "(contributors band per panel; alerts in red)", fontsize=9)
+        title = (f"{name}: published value with its 95% error band\n"
+                 "(contributors band per panel; alerts in red)")
+        if noise_only:
+            title += ("\nnot drawn, only noise published (95% error bar covers the whole "
+                      f"range): {', '.join(noise_only)}")
+        fig.suptitle(title, fontsize=9)
         fig.tight_layout()
         figs[name] = fig
     return figs
@@ -256,7 +375,7 @@ def publish_dashboards(history: DashboardHistory, report: Mapping[str, Any], *,
         folder.mkdir(parents=True, exist_ok=True)
         for name, fig in figs.items():
             path = folder / f"{name}.png"
-            fig.savefig(path, dpi=80)  # rendered once, the same file goes to MLflow
+            fig.savefig(path, dpi=DPI)  # rendered once, the same file goes to MLflow
             if tracker is not None and getattr(tracker, "run_id", None):
                 tracker.client.log_artifact(tracker.run_id, str(path), "dashboards")
             written[name] = path if out_dir else None

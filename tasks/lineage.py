@@ -69,16 +69,24 @@ from clma.release import count_band
 
 __all__ = [
     "LINEAGE_SCHEMA",
+    "REGISTERED_MODEL_DESCRIPTION",
     "CohortLineageTracker",
     "LineageState",
     "cohort_band",
     "descendants_filter",
     "lineage_document",
+    "lineage_figure",
     "registered_model_name",
     "render_lineage_png",
 ]
 
 LINEAGE_SCHEMA = "clma.lineage/1"
+# Markdown in the MLflow UI: no angle brackets (a "<id>" would be swallowed as an HTML tag);
+# the placeholder is in a code span.
+REGISTERED_MODEL_DESCRIPTION = (
+    "CLMA cohort models. The alias `cohort-{id}` (e.g. `cohort-3`) points at the latest "
+    "model of cohort `{id}`; load it with `mlflow.pytorch.load_model(\"models:/NAME@cohort-{id}\")`."
+)
 TAG_ID = "clma.cohort.id"
 TAG_PARENTS = "clma.cohort.parents"
 TAG_ANCESTOR = "clma.cohort.ancestor."
@@ -136,29 +144,56 @@ def lineage_document(registry: CohortRegistry, min_cohort: int, rounds_done: int
 
 
 def render_lineage_png(doc: Mapping[str, Any], path: str | Path) -> Path:
-    """Draw the lineage graph of :func:`lineage_document` to a PNG file; returns its path.
+    """Draw the lineage graph of :func:`lineage_document` (:func:`lineage_figure`) to a PNG
+    file; returns its path."""
+    import matplotlib.pyplot as plt
 
-    x = round, one horizontal life line per cohort (solid while active, ending at its
-    merge/retire round), arrows parent -> child at the child's creation round (blue for
-    splits, green for merges).
+    from tasks.dashboards import DPI
+
+    fig = lineage_figure(doc)
+    try:
+        out = Path(path)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out, dpi=DPI)
+    finally:
+        plt.close(fig)
+    return out
+
+
+def lineage_figure(doc: Mapping[str, Any]) -> Any:
+    """The lineage graph of :func:`lineage_document` as a matplotlib Figure (the caller
+    closes it).
+
+    x = round (integer ticks, from round 1: a cohort created at the federation's start,
+    round 0, is drawn from round 1, the first round it trained), one horizontal life line
+    per cohort (solid while active, ending at its merge/retire round), arrows parent ->
+    child at the child's creation round (blue for splits, green for merges). Rendered at
+    :data:`tasks.dashboards.DPI`, at least ``MIN_WIDTH_PX`` wide; the title is two lines
+    inside the figure (never clipped).
     """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    from tasks.dashboards import DPI, MIN_WIDTH_PX
 
     cohorts = list(doc["cohorts"])
     last = max([int(doc["rounds_done"])] + [c["created_round"] for c in cohorts] + [1])
     lane = {c["cohort_id"]: i for i, c in enumerate(cohorts)}
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.6 * last + 3), max(2.5, 0.5 * len(cohorts) + 1.5)))
+    fig, ax = plt.subplots(figsize=(max(MIN_WIDTH_PX / DPI, 0.6 * last + 3),
+                                    max(3.0, 0.5 * len(cohorts) + 2.0)), dpi=DPI)
     try:
         for c in cohorts:
             y = lane[c["cohort_id"]]
+            start = max(1, int(c["created_round"]))
             end = c["ended_round"] if c["ended_round"] is not None else last
+            end = max(start, int(end))
             color = {"active": "tab:blue", "merged": "tab:green", "retired": "tab:gray"}[c["status"]]
-            ax.plot([c["created_round"], end], [y, y], color=color, lw=3, solid_capstyle="butt")
+            ax.plot([start, end], [y, y], color=color, lw=3, solid_capstyle="butt")
             ax.annotate(f"cohort {c['cohort_id']} [{c['participant_band']}]",
-                        (c["created_round"], y), xytext=(2, 5), textcoords="offset points",
+                        (start, y), xytext=(2, 5), textcoords="offset points",
                         fontsize=7)
         for e in doc["events"]:
             if e["kind"] not in ("split", "merge"):
@@ -169,21 +204,21 @@ def render_lineage_png(doc: Mapping[str, Any], path: str | Path) -> Path:
                         ax.annotate("", xy=(e["round"], lane[ch]), xytext=(e["round"], lane[p]),
                                     arrowprops={"arrowstyle": "->", "lw": 1.2, "color":
                                                 "tab:blue" if e["kind"] == "split" else "tab:green"})
-        ax.set_xlim(-0.5, last + 0.5)
+        ax.set_xlim(0.5, last + 0.5)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
         ax.set_ylim(-0.8, len(cohorts) - 0.2)
         ax.set_yticks(range(len(cohorts)), [str(c["cohort_id"]) for c in cohorts])
         ax.invert_yaxis()
         ax.set_xlabel("round")
         ax.set_ylabel("cohort")
-        ax.set_title("Cohort lineage: splits (blue arrows) and merges (green) over rounds")
+        ax.set_title("Cohort lineage over rounds\nsplits: blue arrows, merges: green arrows",
+                     fontsize=10)
         ax.grid(axis="x", alpha=0.3)
         fig.tight_layout()
-        out = Path(path)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(out, dpi=90)
-    finally:
+    except BaseException:
         plt.close(fig)
-    return out
+        raise
+    return fig
 
 
 class LineageState(BaseModel):
@@ -273,12 +308,14 @@ class CohortLineageTracker:
         from mlflow.exceptions import MlflowException
 
         try:
-            self.client.get_registered_model(self.model_name)
+            model = self.client.get_registered_model(self.model_name)
         except MlflowException:
-            self.client.create_registered_model(
-                self.model_name,
-                description="CLMA cohort models; alias cohort-<id> = a cohort's latest model.",
-            )
+            self.client.create_registered_model(self.model_name,
+                                                description=REGISTERED_MODEL_DESCRIPTION)
+        else:  # a model registered by an older version: its description lost the "<id>"
+            if model.description != REGISTERED_MODEL_DESCRIPTION:
+                self.client.update_registered_model(self.model_name,
+                                                    description=REGISTERED_MODEL_DESCRIPTION)
         self._model_registered = True
 
     def _log_model(self, engine: Any, cohort_id: int, run_id: str,

@@ -30,6 +30,18 @@ Defaults, and why they differ from the published form:
   gap and keep their sign groups.
 * ``min_ks_magnitude``: clients whose ``|signed KS|`` is below it are pooled in one
   "no_shift" cohort (not clustered) instead of being forced into a direction group.
+* ``spread_floor`` (default 1e-5 when centering): a direction group whose spread is
+  floating-point noise relative to the vectors' scale is one cohort, never clustered.
+  Rule: with ``m`` members, ``spread = sqrt(trace(centered Gram) / m)`` (the RMS distance
+  of the members to their mean) and ``scale = sqrt(||r||^2 + max_i ||x_i - r||^2)`` (``r``
+  the reference), the group stays one cohort when ``spread <= spread_floor * scale``.
+  Why: bit-identical client vectors (clients that drifted identically) give a centered
+  Gram matrix that is zero up to round-off (~1e-16 of ``||x - r||^2``); its PCA scores are
+  pure noise, and the silhouette is scale-free, so k-means "found" 2-4 cohorts with
+  silhouettes 0.56-0.92 in about one trial in ten (issue 14, item 6). A float32 vector has
+  a relative resolution of ~6e-8, so a spread below 1e-5 of the vectors' scale (~170
+  ulps) is not a drift that float32 training can represent; real families are apart by
+  1e-2 and more of that scale. The published form (``center=False``) keeps no floor.
 
 Groups are processed in the order positive, negative, undirected, no_shift; the returned
 local cohort ids are contiguous from 0 in order of first appearance over ``client_ids``.
@@ -74,6 +86,7 @@ __all__ = [
 ClientId = Hashable
 DirectionRule = Literal["auto", "established", "sign"]
 DIRECTIONS = ("positive", "negative", "undirected", "no_shift")
+DEFAULT_SPREAD_FLOOR = 1e-5
 
 
 @dataclass(frozen=True)
@@ -215,6 +228,15 @@ def validate_client_stack(client_ids: Sequence[ClientId], matrix: object,
     return ids, mat, ref
 
 
+def _below_floor(disp: np.ndarray, rows: list[int], ref_sq: float, floor: float) -> bool:
+    """Whether the group's RMS spread about its mean is at most ``floor`` times the
+    vectors' scale ``sqrt(||r||^2 + max ||x_i - r||^2)`` (``CLMACohorter.spread_floor``)."""
+    centered = centered_subgram(disp, rows)
+    spread_sq = max(float(np.trace(centered)), 0.0) / len(rows)
+    scale_sq = ref_sq + float(np.max(np.diag(disp)[rows]))
+    return spread_sq <= (floor * floor) * scale_sq
+
+
 class CLMACohorter(Cohorter):
     """CLMA Algorithm 3: signed KS direction groups, Gram-trick PCA, clustering.
 
@@ -229,6 +251,12 @@ class CLMACohorter(Cohorter):
         Mean-center each group before PCA (default True; False is the published form).
     min_ks_magnitude:
         Clients with ``|signed KS| < min_ks_magnitude`` form one "no_shift" cohort.
+    spread_floor:
+        Variance floor relative to the vectors' scale, in [0, 1) (see the module docs): a
+        direction group whose RMS spread about its mean is at most ``spread_floor`` times
+        ``sqrt(||r||^2 + max ||x_i - r||^2)`` is one cohort (reason "spread below the
+        floor"), so floating-point noise never splits identically drifted clients. "auto"
+        (default): 1e-5 when centering, ``None`` (no floor: the published form) otherwise.
     direction_rule:
         "sign": trust the KS sign always (published). "established": trust it only when
         ``|D+ - D-| > ks_critical_value(direction_alpha, n_params, n_params)``, otherwise the
@@ -271,7 +299,8 @@ class CLMACohorter(Cohorter):
                  min_ks_magnitude: float = 0.0, *, direction_rule: DirectionRule = "auto",
                  direction_alpha: float = 0.05, n_jobs: int | None = None,
                  block_bytes: int = DEFAULT_BLOCK_BYTES,
-                 reconcile_similarity: float | None | Literal["auto"] = "auto") -> None:
+                 reconcile_similarity: float | None | Literal["auto"] = "auto",
+                 spread_floor: float | None | Literal["auto"] = "auto") -> None:
         if not isinstance(clusterer, Clusterer):
             raise TypeError("clusterer: must be a clma.cohort.Clusterer")
         v = float(variance_threshold)
@@ -294,6 +323,15 @@ class CLMACohorter(Cohorter):
             if not (0.0 < rs <= 1.0) or not np.isfinite(rs):
                 raise ValueError("reconcile_similarity: must be 'auto', None or lie in (0, 1]")
             reconcile_similarity = rs
+        if spread_floor != "auto" and spread_floor is not None:
+            try:
+                sf = float(spread_floor)
+            except (TypeError, ValueError):
+                sf = float("nan")
+            if not (0.0 <= sf < 1.0):
+                raise ValueError("spread_floor: must be 'auto', None or lie in [0, 1)")
+            spread_floor = sf
+        self.spread_floor = spread_floor
         self.reconcile_similarity = reconcile_similarity
         self.clusterer = clusterer
         self.variance_threshold = v
@@ -312,6 +350,13 @@ class CLMACohorter(Cohorter):
         return self.reconcile_similarity
 
     @property
+    def effective_spread_floor(self) -> float | None:
+        """The variance floor in force ("auto": 1e-5 when centering, else None)."""
+        if self.spread_floor == "auto":
+            return DEFAULT_SPREAD_FLOOR if self.center else None
+        return self.spread_floor
+
+    @property
     def effective_direction_rule(self) -> Literal["established", "sign"]:
         """The rule in force: "auto" resolves to "established" if centering, else "sign"."""
         if self.direction_rule == "auto":
@@ -323,7 +368,8 @@ class CLMACohorter(Cohorter):
                 f"variance_threshold={self.variance_threshold}, center={self.center}, "
                 f"min_ks_magnitude={self.min_ks_magnitude}, "
                 f"direction_rule={self.direction_rule!r}, direction_alpha={self.direction_alpha}, "
-                f"reconcile_similarity={self.reconcile_similarity!r})")
+                f"reconcile_similarity={self.reconcile_similarity!r}, "
+                f"spread_floor={self.spread_floor!r})")
 
     def ks_components(self, matrix: np.ndarray, reference: np.ndarray) -> list[KSComponents]:
         """One-sided KS distances of every row against the reference (sorted once)."""
@@ -434,8 +480,11 @@ class CLMACohorter(Cohorter):
         # gives every direction group's centered Gram exactly (J D_SS J, J the centering
         # matrix) and the reconciliation's cosines, so the stack is read once, not once per
         # direction group plus once for the reconciliation.
+        floor = self.effective_spread_floor
         disp = (displacement_gram(mat, ref, block_bytes=self.block_bytes)
-                if self.center and n > 1 else None)
+                if (self.center or floor is not None) and n > 1 else None)
+        ref64 = ref.astype(np.float64, copy=False)
+        ref_sq = float(ref64 @ ref64)
         group_labels: list[tuple[str, int] | None] = [None] * n
         diag_parts: list[tuple[str, list[int], int, float, int, dict[int, float], str]] = []
         for direction in DIRECTIONS:
@@ -446,8 +495,13 @@ class CLMACohorter(Cohorter):
                 sub = np.zeros(len(rows), dtype=np.int64)
                 diag_parts.append((direction, rows, 0, 0.0, 1, {},
                                    "pooled" if direction == "no_shift" else "single client"))
+            elif floor is not None and disp is not None and _below_floor(
+                    disp, rows, ref_sq, floor):
+                sub = np.zeros(len(rows), dtype=np.int64)
+                diag_parts.append((direction, rows, 0, 0.0, 1, {},
+                                   "spread below the floor (floating-point noise)"))
             else:
-                if disp is not None:  # centered Gram of the group from the one pass
+                if disp is not None and self.center:  # centered Gram from the one pass
                     pca = gram_pca_from_gram(centered_subgram(disp, rows),
                                              self.variance_threshold)
                 else:

@@ -127,6 +127,15 @@ class BudgetState:
     config: FederationConfig
     state_dir: Path
     events: list[dict[str, Any]] = field(default_factory=list)
+    temporary: bool = False
+
+    def close(self) -> None:
+        """Remove a temporary ledger folder (``temporary``: no ``budget.state_dir`` and no
+        ``default_dir``); a durable ledger is left in place."""
+        if self.temporary:
+            import shutil
+
+            shutil.rmtree(self.state_dir, ignore_errors=True)
 
     @property
     def ledger_path(self) -> Path:
@@ -140,7 +149,9 @@ class BudgetState:
             "clma.policy.content_hash": self.policy.content_hash,
             "clma.policy.rules_hash": self.policy.rules_hash,
             "clma.policy.source": self.policy.source,
-            "clma.budget.ledger_path": str(self.ledger_path),
+            "clma.budget.ledger_path": (
+                "temporary (removed at the end of the run: no --out or state dir)"
+                if self.temporary else str(self.ledger_path.resolve())),
             "clma.budget.approval_gate": self.config.budget.approval_gate,
             "clma.training.dp": "dp-fedavg" if dp.enabled else "off",
             "clma.training.dp.noise_source": (
@@ -160,19 +171,40 @@ def policy_of(config: FederationConfig) -> PrivacyPolicy:
     return load_policy(config.budget.policy) if config.budget.policy else default_policy()
 
 
-def open_budget(config: FederationConfig) -> BudgetState:
-    """Open (or create) the federation's ledger under ``budget.state_dir`` (a fresh
-    temporary folder when unset) with the configured policy. Raises
-    :class:`clma.budget.PolicyError` for a bad policy file."""
+LEDGER_FILES = ("privacy_ledger.sqlite", "privacy_ledger.sqlite-wal",
+                "privacy_ledger.sqlite-shm", "privacy_ledger.sqlite-journal")
+
+
+def open_budget(config: FederationConfig, *, default_dir: str | Path | None = None,
+                fresh: bool = False) -> BudgetState:
+    """Open (or create) the federation's ledger with the configured policy.
+
+    Where: ``budget.state_dir`` when set (a durable ledger: reuse it to resume); else
+    ``default_dir`` (``clma run`` passes ``<out>/ledger``); else a temporary folder that
+    :meth:`BudgetState.close` removes (nothing is left behind, and the tracking tag says the
+    ledger was temporary). ``fresh``: start ``default_dir`` empty -- the ledger files of an
+    earlier run there are removed, so a new federation never republishes another run's
+    stored releases (its idempotency keys are round and release, not the run).
+
+    Raises :class:`clma.budget.PolicyError` for a bad policy file.
+    """
     policy = policy_of(config)
     b = config.budget
+    temporary = False
     if b.state_dir:
         state_dir = Path(b.state_dir)
+    elif default_dir is not None:
+        state_dir = Path(default_dir)
+        if fresh and state_dir.is_dir():
+            for name in LEDGER_FILES:
+                (state_dir / name).unlink(missing_ok=True)
     else:
         state_dir = Path(tempfile.mkdtemp(prefix=f"clma-state-{config.name}-"))
+        temporary = True
     state_dir.mkdir(parents=True, exist_ok=True)
     ledger = PrivacyLedger(state_dir, policy)
-    return BudgetState(ledger=ledger, policy=policy, config=config, state_dir=state_dir)
+    return BudgetState(ledger=ledger, policy=policy, config=config, state_dir=state_dir,
+                       temporary=temporary)
 
 
 def ledger_round(round_number: int) -> int:

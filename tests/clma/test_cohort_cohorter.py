@@ -323,3 +323,73 @@ def test_constructor_validation() -> None:
     assert CLMACohorter().effective_direction_rule == "established"
     assert CLMACohorter(center=False, direction_rule="established").effective_direction_rule \
         == "established"
+
+
+# ---------------------------------------------------------------- issue 14 item 6: noise floor
+
+
+def _identical_trial(seed: int, perturb: float = 0.0):
+    """Clients that drifted identically: ``n`` copies of one drifted vector, optionally
+    perturbed by ``perturb`` (relative to nothing: an absolute 1e-12 jitter in float64)."""
+    rng = np.random.default_rng(seed)
+    p = 2000
+    ref = rng.normal(0, 0.1, p).astype(np.float32)
+    drifted = ref + rng.normal(0.05, 0.05, p).astype(np.float32)
+    n = int(rng.integers(4, 20))
+    if perturb == 0.0:
+        return np.tile(drifted, (n, 1)).astype(np.float32), ref
+    return drifted.astype(np.float64) + rng.normal(0, perturb, (n, p)), ref
+
+
+@pytest.mark.parametrize("perturb", [0.0, 1e-12])
+def test_identically_drifted_clients_are_one_cohort_in_every_trial(perturb: float) -> None:
+    splits = []
+    for seed in range(60):
+        matrix, ref = _identical_trial(seed, perturb)
+        res, _ = run(CLMACohorter(), matrix, ref)
+        if res.n_cohorts != 1:
+            splits.append((seed, res.n_cohorts))
+    assert splits == []
+
+
+def test_noise_floor_is_why_identical_clients_stay_together() -> None:
+    # Without the floor the silhouette on round-off noise splits some trials (seed 1: the
+    # scores of 11 bit-identical rows are pure noise, silhouette ~0.7-0.8).
+    no_floor = CLMACohorter(spread_floor=None)
+    split = [s for s in range(60) if run(no_floor, *_identical_trial(s))[0].n_cohorts > 1]
+    assert len(split) >= 3
+    res, _ = run(CLMACohorter(), *_identical_trial(split[0]))
+    assert res.n_cohorts == 1
+    assert res.groups[0].reason == "spread below the floor (floating-point noise)"
+    assert CLMACohorter().effective_spread_floor == 1e-5
+
+
+def test_noise_floor_keeps_separated_families_apart() -> None:
+    matrix, ref, truth = shifted_families(1, [0.01, -0.01])
+    res, labels = run(CLMACohorter(), matrix, ref)
+    assert adjusted_rand_score(truth, labels) == 1.0 and res.n_cohorts == 2
+    # two families in ONE direction group (zero-mean), still split
+    matrix, ref, truth = zero_mean_families(0)
+    res, labels = run(CLMACohorter(), matrix, ref)
+    assert adjusted_rand_score(truth, labels) == 1.0
+    # a clear two-family case whose spread is small but far above float32 round-off
+    rng = np.random.default_rng(5)
+    ref = rng.normal(0, 0.1, 2000).astype(np.float32)
+    base = ref + rng.normal(0.05, 0.05, 2000).astype(np.float32)
+    other = base + np.float32(1e-3) * rng.normal(0, 1, 2000).astype(np.float32)
+    two = np.asarray([base] * 5 + [other] * 5, np.float32)
+    res, labels = run(CLMACohorter(), two, ref)
+    assert adjusted_rand_score([0] * 5 + [1] * 5, labels) == 1.0
+
+
+def test_paper_exact_form_has_no_floor() -> None:
+    exact = CLMACohorter(center=False, clusterer=AutoKMeans(fixed_k=2))
+    assert exact.effective_spread_floor is None
+    explicit = CLMACohorter(center=False, clusterer=AutoKMeans(fixed_k=2), spread_floor=None)
+    for seed in range(5):
+        matrix, ref, _ = shifted_families(seed, [0.01, 0.01, -0.01], per=3)
+        assert run(exact, matrix, ref)[0].assignments == run(explicit, matrix, ref)[0].assignments
+    with pytest.raises(ValueError, match="spread_floor"):
+        CLMACohorter(spread_floor=1.5)
+    with pytest.raises(ValueError, match="spread_floor"):
+        CLMACohorter(spread_floor="tiny")  # type: ignore[arg-type]

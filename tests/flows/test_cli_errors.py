@@ -80,7 +80,8 @@ def test_invalid_config_file_exit_2_one_message(capsys, tmp_path, text, field, r
     assert "invalid configuration" in lines[0] or "not valid TOML" in lines[0]
     assert field in lines[0] and rule in lines[0]
     assert "Traceback" not in err
-    assert not (tmp_path / "out" / "summary.json").exists()
+    # issue 14 item 6: a refused run leaves no (empty) --out folder behind
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize(
@@ -111,6 +112,39 @@ def test_valid_config_reaches_the_flow(tmp_path):
     with pytest.raises(AssertionError, match="flow started"):
         main(["run", "--out", str(tmp_path / "o"), "--quiet", "--rounds", "2",
               "--clients", "4"])
+    assert (tmp_path / "o").is_dir()  # created once every check passed
+
+
+@pytest.mark.parametrize("argv", [["--clients", "1000"], ["--rounds", "0"]])
+def test_refused_run_leaves_no_out_folder(capsys, tmp_path, argv):
+    out = tmp_path / "deep" / "out"
+    rc = main(["run", "--out", str(out), "--quiet", *argv])
+    assert rc == 2 and "clma: " in capsys.readouterr().err
+    assert not (tmp_path / "deep").exists()
+
+
+def test_missing_region_partition_leaves_no_out_folder(capsys, tmp_path):
+    cfg = _toml(tmp_path, '[data]\nregion_partition = "/nonexistent/regions.toml"\n')
+    rc = main(["run", "--config", cfg, "--out", str(tmp_path / "o"), "--quiet"])
+    assert rc == 2 and "data.region_partition" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_out_under_a_read_only_folder_fails_before_training(capsys, tmp_path):
+    import os
+
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        if os.access(ro, os.W_OK):  # root ignores the mode
+            pytest.skip("running as root: permissions are not enforced")
+        rc = main(["run", "--out", str(ro / "a" / "b"), "--quiet"])
+        err = capsys.readouterr().err
+        assert rc == 2 and "--out" in err and "not writable" in err
+        assert list(ro.iterdir()) == []
+    finally:
+        ro.chmod(0o700)
 
 
 def test_argparse_rejects_non_integer(capsys, tmp_path):

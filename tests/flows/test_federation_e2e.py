@@ -106,6 +106,10 @@ def test_mlflow_run_holds_params_metrics_and_artifacts(small_run):
     assert tags["clma.region_partition.version"] == "1"
     assert len(tags["clma.region_partition.content_hash"]) == 64
     assert tags["clma.prefect_flow_run_id"] == summary["prefect"]["flow_run_id"]
+    # issue 14 item 6: the ledger of a stateless run lives in <out>/ledger, and the tag
+    # points there (not at a throwaway /tmp/clma-state-* folder)
+    ledger = (small_run[1] / "out" / "ledger" / "privacy_ledger.sqlite").resolve()
+    assert tags["clma.budget.ledger_path"] == str(ledger) and ledger.is_file()
     hist = client.get_metric_history(run.info.run_id, "n_cohorts")
     assert sorted((m.step, m.value) for m in hist) == [
         (1, 1.0), (2, 1.0), (3, 3.0), (4, 3.0), (5, 3.0)
@@ -148,13 +152,18 @@ def test_mlflow_run_holds_params_metrics_and_artifacts(small_run):
     assert "members" not in json.dumps(hist_doc)
 
 
-def test_same_seed_same_cohorts_and_numbers(prefect_harness):
+def test_same_seed_same_cohorts_and_numbers(prefect_harness, tmp_path, monkeypatch):
+    import tempfile
+
     from flows.federation import federation_flow
 
     cfg = load_config(SMALL).with_overrides(rounds=4)
     cfg = cfg.model_copy(update={"tracking": cfg.tracking.model_copy(update={"enabled": False})})
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     a = federation_flow(cfg)
     b = federation_flow(cfg)
+    # no out folder, no state dir: the ledger was temporary and is gone (no stray files)
+    assert sorted(tmp_path.glob("clma-state-*")) == []
     strip = lambda s: [{k: v for k, v in r.items() if k != "seconds"} for r in s["rounds"]]  # noqa: E731
     assert strip(a) == strip(b)
     assert a["sim_truth"] == b["sim_truth"]

@@ -157,3 +157,58 @@ def test_lineage_artifacts_json_and_png(synced, tmp_path):
     j, p = write_lineage_files(doc, tmp_path / "out")
     assert json.loads(j.read_text())["cohorts"][4]["parents"] == [2, 3]
     assert p.stat().st_size > 5000
+
+
+# ------------------------------------------------------------------ issue 14 item 3
+
+
+def test_lineage_figure_title_inside_round_axis_from_1_readable(synced, tmp_path):
+    import os
+
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    from tasks.dashboards import MIN_WIDTH_PX
+    from tasks.lineage import lineage_figure, render_lineage_png
+
+    doc = synced[5][4]
+    assert doc["cohorts"][0]["created_round"] == 0  # the root starts at the federation start
+    fig = lineage_figure(doc)
+    try:
+        folder = os.environ.get("CLMA_TEST_ARTEFACTS")
+        keep = (Path(folder) / "dashboards") if folder else tmp_path
+        keep.mkdir(parents=True, exist_ok=True)
+        fig.savefig(keep / "lineage.png", dpi=fig.dpi)
+        ax = fig.axes[0]
+        renderer = fig.canvas.get_renderer()
+        title = ax.title.get_window_extent(renderer)
+        page = fig.bbox
+        assert title.x0 >= page.x0 and title.x1 <= page.x1 and title.y1 <= page.y1
+        assert ax.get_xlim()[0] == 0.5  # the round axis starts at round 1
+        loc = ax.xaxis.get_major_locator()
+        assert isinstance(loc, MaxNLocator) and loc._integer
+        lo, hi = ax.get_xlim()
+        ticks = [t for t in ax.get_xticks() if lo <= t <= hi]
+        assert min(ticks) == 1 and all(t == int(t) for t in ticks)
+        assert min(min(ln.get_xdata()) for ln in ax.lines) >= 1  # life lines from round 1
+        assert fig.get_size_inches()[0] * fig.dpi >= MIN_WIDTH_PX
+    finally:
+        plt.close(fig)
+    png = render_lineage_png(doc, tmp_path / "l.png")
+    import struct
+
+    w, _ = struct.unpack(">II", png.read_bytes()[16:24])
+    assert w >= MIN_WIDTH_PX
+
+
+def test_registered_model_description_keeps_the_alias_placeholder(synced):
+    from tasks.lineage import REGISTERED_MODEL_DESCRIPTION, CohortLineageTracker
+
+    client, exp, parent, fed, lt, docs, name = synced
+    desc = client.get_registered_model(name).description
+    assert desc == REGISTERED_MODEL_DESCRIPTION
+    assert "`cohort-{id}`" in desc and "<" not in desc and ">" not in desc
+    # a model registered by an older version gets the fixed description
+    client.update_registered_model(name, description="alias cohort-<id> = latest")
+    CohortLineageTracker(client, exp, parent, name)._ensure_registered_model()
+    assert client.get_registered_model(name).description == REGISTERED_MODEL_DESCRIPTION

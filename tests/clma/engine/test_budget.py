@@ -452,3 +452,40 @@ def test_dp_denominators_are_expected_participants_of_the_coarse_cohort():
     assert dp_denominators({0: 1}, 60, 6) == {0: 1.0}  # at least 1
     with pytest.raises(ValueError, match="n: must be an integer"):
         coarse_size(-1)
+
+
+# --------------------------------------------------------------------------- where the ledger lives
+
+
+def test_ledger_goes_to_the_default_dir_fresh_and_a_temporary_one_is_removed(
+        tmp_path, monkeypatch):
+    """Issue 14 item 6: no throwaway /tmp/clma-state-* folder is left by a run; the ledger
+    of a run without a state dir lives in the given default dir (``<out>/ledger``)."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    cfg = load_config(SMALL)
+    assert cfg.budget.state_dir is None
+    out_ledger = tmp_path / "out" / "ledger"
+    b = open_budget(cfg, default_dir=out_ledger, fresh=True)
+    assert b.ledger_path == out_ledger / "privacy_ledger.sqlite" and b.ledger_path.exists()
+    assert not b.temporary
+    assert b.tags()["clma.budget.ledger_path"] == str(b.ledger_path.resolve())
+    from clma.budget import MechanismEvent
+
+    with b.ledger.charge(0, "global.accuracy", LineItem.EVALUATION_GLOBAL,
+                         [MechanismEvent.laplace(0.5)]):
+        pass
+    assert len(b.ledger.entries()) == 1
+    b.close()
+    assert b.ledger_path.exists()  # a durable ledger stays
+    # the next stateless run into the same --out starts from an empty ledger
+    again = open_budget(cfg, default_dir=out_ledger, fresh=True)
+    assert again.ledger.entries() == []
+    # neither a state dir nor an out folder: a temporary ledger, removed at close
+    tmp = open_budget(cfg)
+    assert tmp.temporary and tmp.state_dir.parent == tmp_path / "tmp"
+    assert "temporary" in tmp.tags()["clma.budget.ledger_path"]
+    tmp.close()
+    assert list((tmp_path / "tmp").iterdir()) == []
