@@ -44,6 +44,7 @@ from tasks.round import (
     select_clients_task,
     train_clients_task,
 )
+from tasks.story import publish_round_story, round_story
 from tasks.tracking import FederationTracker
 
 __all__ = ["RoundRecord", "federation_flow", "round_flow", "run_federation", "SUMMARY_SCHEMA"]
@@ -107,7 +108,7 @@ def _truth(transport: Transport, engine: FederationEngine, round_number: int,
     return out
 
 
-@flow(name="clma-round", flow_run_name="round-{round_number}")
+@flow(name="clma-round", flow_run_name="{engine.config.name}-round-{round_number}")
 def round_flow(
     engine: FederationEngine,
     transport: Transport,
@@ -138,8 +139,14 @@ def round_flow(
         sums = secure_aggregation_task(engine, ctx)
         evaluate_regions(engine, ctx, sums, gate=borrow_gate, run_id=str(flow_run.id or ""))
     result = engine.finish(ctx)
-    return RoundRecord.from_result(result, _truth(transport, engine, round_number,
-                                                  ctx.participants))
+    rec = RoundRecord.from_result(result, _truth(transport, engine, round_number,
+                                                 ctx.participants))
+    m = engine.evaluator.min_cohort
+    publish_round_story(round_story(published_round(rec, m), federation=engine.config.name,
+                                    min_cohort=m,
+                                    participants_band=count_band(len(ctx.participants), m)),
+                        engine.config.name)
+    return rec
 
 
 def _round_metrics(rec: RoundRecord) -> dict[str, float]:
