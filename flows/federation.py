@@ -45,7 +45,7 @@ from tasks.round import (
     train_clients_task,
 )
 from tasks.story import publish_round_story, round_story
-from tasks.tracking import FederationTracker
+from tasks.tracking import FederationTracker, error_bar_key
 
 __all__ = ["RoundRecord", "federation_flow", "round_flow", "run_federation", "SUMMARY_SCHEMA"]
 
@@ -160,7 +160,7 @@ def _round_metrics(rec: RoundRecord) -> dict[str, float]:
         for metric, rep in rec.regional["metrics"].items():
             for region, pub in rep["regions"].items():
                 m[f"regional.{region}.{metric}"] = pub["value"]
-                m[f"regional.{region}.{metric}.error_bar"] = pub["error_bar"]
+                m[error_bar_key(f"regional.{region}.{metric}")] = pub["error_bar"]
     for k in ("stationary_accuracy", "drifted_accuracy"):
         if rec.truth.get(k) is not None:
             m[f"sim_truth.{k}"] = rec.truth[k]
@@ -383,6 +383,7 @@ def federation_flow(
             )
             if budget is not None:
                 tracker.set_tags(budget.tags())
+            tracker.record_prefect_run(prefect_id, first_round)
     except BaseException:
         # release the state-dir lock (a long-lived `clma serve` process would otherwise
         # refuse every later run of this federation) and close the MLflow run if it opened
