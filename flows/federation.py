@@ -7,7 +7,10 @@ federation's, whose tasks are the engine's steps, in order: select-clients,
 train-clients (mapped over chunks of clients), detect-drift, score-divergence,
 aggregate-per-cohort, cohort, merge-cohorts, then on evaluation rounds
 secure-aggregation and the ledger's charge-evaluation / release-evaluation steps (or
-evaluate-regions without a ledger). It runs on the embedded default: with no
+evaluate-regions without a ledger). Each round run is named ``<federation>-round-<r>`` and
+tells its story on itself (:mod:`tasks.story`: run logs, a markdown and a table artifact
+with the bands, splits, merges and every release published or refused with its reason).
+It runs on the embedded default: with no
 ``PREFECT_API_URL`` Prefect starts a temporary local API; nothing to start by hand.
 """
 
