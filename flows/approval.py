@@ -36,6 +36,7 @@ timeout.
 
 from __future__ import annotations
 
+import re
 import secrets
 import sys
 import time
@@ -50,6 +51,7 @@ from prefect.exceptions import FlowPauseTimeout
 from prefect.flow_runs import pause_flow_run
 from prefect.input import RunInput
 from prefect.runtime import flow_run
+from prefect.states import Completed
 from pydantic import Field, ValidationError, create_model
 
 from clma.budget import BorrowApproval, BorrowDecision, BorrowRequest, decide_borrow
@@ -66,7 +68,8 @@ __all__ = [
     "borrow_gate",
 ]
 
-#: How long ``clma approve`` waits by default for the run to be visible and paused.
+#: How long ``clma approve`` waits by default for the run to be visible and paused (the
+#: gate prints the command just before the pause reaches the API).
 DEFAULT_WAIT_SECONDS = 30.0
 
 
@@ -104,15 +107,54 @@ def _request_parameter(request: BorrowRequest) -> dict[str, Any]:
             "epsilon": float(request.epsilon), "nonce": request.nonce}
 
 
-def _form_description(request: BorrowRequest, approvers: tuple[str, ...]) -> str:
+def _line_budget(budget: BudgetState, epoch: int, line: str) -> dict[str, float] | None:
+    """Cap, spent and remaining epsilon of ``line`` in ``epoch`` (None: not readable)."""
+    try:
+        row = next(r for r in budget.ledger.table(epoch) if r.line_item == line)
+    except Exception:  # noqa: BLE001 (the form then says it could not read the ledger)
+        return None
+    return {"cap": row.cap_epsilon, "spent": row.spent_epsilon,
+            "remaining": row.remaining_epsilon}
+
+
+def _request_round(request: BorrowRequest) -> int | None:
+    """The round of the request (its reason starts ``round N:``)."""
+    m = re.match(r"round (\d+):", request.reason)
+    return int(m.group(1)) if m else None
+
+
+def _form_description(request: BorrowRequest, approvers: tuple[str, ...], *,
+                      line_budget: dict[str, float] | None = None,
+                      timeout: int | None = None, now: float | None = None) -> str:
+    """The text above the form: what is asked, the line's budget, the deadline, how to sign."""
+    rnd = _request_round(request)
+    if line_budget is None:
+        budget_text = "(the ledger could not be read)"
+    else:
+        budget_text = (f"cap {line_budget['cap']:.4g}, spent {line_budget['spent']:.4g}, "
+                       f"remaining {line_budget['remaining']:.4g}")
+    deadline = ""
+    if timeout is not None:
+        at = time.strftime("%Y-%m-%d %H:%M:%S UTC",
+                           time.gmtime((time.time() if now is None else now) + int(timeout)))
+        deadline = (f"**Deadline: {at}** (in {int(timeout)} s). No answer by then counts "
+                    "as a timeout: a refusal.\n\n")
     return (
         f"**Privacy budget: borrow request**\n\n"
+        f"| | |\n|---|---|\n"
+        f"| federation | `{request.federation}` |\n"
+        f"| round | {rnd if rnd is not None else 'n/a'} |\n"
+        f"| budget epoch | {request.epoch} |\n"
+        f"| line | `{request.line.value}`: {budget_text} (epsilon per client, this epoch) |\n"
+        f"| borrow | epsilon {request.epsilon:.4g} from epoch {request.epoch + 1} |\n\n"
+        f"{deadline}"
         f"Evaluation line `{request.line.value}` of budget epoch {request.epoch} of "
         f"federation `{request.federation}` would overspend. Borrow epsilon "
-        f"{request.epsilon!r} (per client) from epoch {request.epoch + 1}'s allocation of "
+        f"{request.epsilon:.4g} (per client) from epoch {request.epoch + 1}'s allocation of "
         f"the same line?\n\n{request.reason}\n\n"
         f"Request: run `{request.run_id}`, nonce `{request.nonce}`.\n\n"
-        f"Approvers on the policy's allow-list: {', '.join(approvers)}. Sign your decision "
+        f"All four fields are required. Approvers on the policy's allow-list: "
+        f"{', '.join(approvers)}. Sign your decision "
         f"with your key and paste the token below: `clma approve <this run's id> --approver "
         f"NAME --key FILE --reason TEXT [--deny] --token-only` (approve, reason and approver "
         f"here must be the ones you signed). Refusing (or letting it time out) freezes "
@@ -146,16 +188,24 @@ def borrow_approval_flow(
     get_run_logger().warning(msg)
     print(msg, file=sys.stderr, flush=True)
     form = approval_form(approvers, description)
+    log = get_run_logger()
     try:
         answer = pause_flow_run(
             wait_for_input=form, timeout=int(timeout), poll_interval=poll_interval,
         )
     except FlowPauseTimeout:
-        return None
-    if answer is None:  # prefect 3.7.7 returns nothing when a re-run finds the run resumed
-        return None
-    return {"approver": answer.approver, "approve": bool(answer.approve),
-            "reason": answer.reason, "token": answer.token}
+        answer = None
+    if answer is None:  # also: prefect 3.7.7 returns nothing when a re-run finds it resumed
+        msg = "no answer before the deadline: decided as a timeout (borrow refused)"
+        log.warning(msg)
+        return Completed(message=msg, data=None)  # type: ignore[return-value]
+    verdict = "APPROVED" if answer.approve else "DENIED"
+    msg = (f"decision submitted: {verdict} by {answer.approver}: {answer.reason} (the "
+           "round checks the signed token and records the decision in the ledger)")
+    log.warning(msg)  # at WARNING: shown also under the quiet console default
+    return Completed(message=msg[:2000], data={  # type: ignore[return-value]
+        "approver": answer.approver, "approve": bool(answer.approve),
+        "reason": answer.reason, "token": answer.token})
 
 
 def _approval_from(answer: dict[str, Any] | None) -> BorrowApproval | None:
@@ -187,8 +237,12 @@ def borrow_gate(budget: BudgetState, request: BorrowRequest) -> BorrowDecision:
     gate_state = "not_paused"
     if mode == "pause":
         approvers = budget.policy.borrowing.approvers
+        description = _form_description(
+            request, approvers, line_budget=_line_budget(budget, request.epoch,
+                                                         request.line.value),
+            timeout=budget.approval_timeout())
         state = borrow_approval_flow(
-            request.epoch, _slug(request.line.value), _form_description(request, approvers),
+            request.epoch, _slug(request.line.value), description,
             budget.approval_timeout(), budget.config.budget.approval_poll_seconds,
             request=_request_parameter(request), approvers=list(approvers),
             return_state=True,
@@ -266,6 +320,12 @@ def _api_error(exc: Exception) -> ApprovalError | None:
     return None
 
 
+def _api_url() -> str:
+    from prefect.settings import PREFECT_API_URL
+
+    return PREFECT_API_URL.value() or "the embedded local API of PREFECT_HOME"
+
+
 def _schema_ready(client: Any, run: Any) -> bool:
     keyset = run.state.state_details.run_input_keyset if run.state is not None else None
     if not keyset:
@@ -294,7 +354,8 @@ def _paused_target(client: Any, rid: uuid.UUID, wait_seconds: float) -> Any:
         try:
             run = client.read_flow_run(rid)
         except ObjectNotFound:
-            problem = f"RUN_ID: no flow run {rid} on this Prefect API"
+            problem = (f"RUN_ID: no flow run {rid} on this Prefect API ({_api_url()}); is "
+                       "PREFECT_API_URL the server the federation runs on?")
         else:
             if run.state is not None and run.state.is_paused():
                 found = [run]

@@ -7,7 +7,10 @@ federation's, whose tasks are the engine's steps, in order: select-clients,
 train-clients (mapped over chunks of clients), detect-drift, score-divergence,
 aggregate-per-cohort, cohort, merge-cohorts, then on evaluation rounds
 secure-aggregation and the ledger's charge-evaluation / release-evaluation steps (or
-evaluate-regions without a ledger). It runs on the embedded default: with no
+evaluate-regions without a ledger). Each round run is named ``<federation>-round-<r>`` and
+tells its story on itself (:mod:`tasks.story`: run logs, a markdown and a table artifact
+with the bands, splits, merges and every release published or refused with its reason).
+It runs on the embedded default: with no
 ``PREFECT_API_URL`` Prefect starts a temporary local API; nothing to start by hand.
 """
 
@@ -44,7 +47,8 @@ from tasks.round import (
     select_clients_task,
     train_clients_task,
 )
-from tasks.tracking import FederationTracker
+from tasks.story import publish_round_story, round_story
+from tasks.tracking import FederationTracker, error_bar_key
 
 __all__ = ["RoundRecord", "federation_flow", "round_flow", "run_federation", "SUMMARY_SCHEMA"]
 
@@ -108,7 +112,7 @@ def _truth(transport: Transport, engine: FederationEngine, round_number: int,
     return out
 
 
-@flow(name="clma-round", flow_run_name="round-{round_number}")
+@flow(name="clma-round", flow_run_name="{engine.config.name}-round-{round_number}")
 def round_flow(
     engine: FederationEngine,
     transport: Transport,
@@ -139,8 +143,14 @@ def round_flow(
         sums = secure_aggregation_task(engine, ctx)
         evaluate_regions(engine, ctx, sums, gate=borrow_gate, run_id=str(flow_run.id or ""))
     result = engine.finish(ctx)
-    return RoundRecord.from_result(result, _truth(transport, engine, round_number,
-                                                  ctx.participants))
+    rec = RoundRecord.from_result(result, _truth(transport, engine, round_number,
+                                                 ctx.participants))
+    m = engine.evaluator.min_cohort
+    publish_round_story(round_story(published_round(rec, m), federation=engine.config.name,
+                                    min_cohort=m,
+                                    participants_band=count_band(len(ctx.participants), m)),
+                        engine.config.name)
+    return rec
 
 
 def _round_metrics(rec: RoundRecord) -> dict[str, float]:
@@ -154,7 +164,7 @@ def _round_metrics(rec: RoundRecord) -> dict[str, float]:
         for metric, rep in rec.regional["metrics"].items():
             for region, pub in rep["regions"].items():
                 m[f"regional.{region}.{metric}"] = pub["value"]
-                m[f"regional.{region}.{metric}.error_bar"] = pub["error_bar"]
+                m[error_bar_key(f"regional.{region}.{metric}")] = pub["error_bar"]
     for k in ("stationary_accuracy", "drifted_accuracy"):
         if rec.truth.get(k) is not None:
             m[f"sim_truth.{k}"] = rec.truth[k]
@@ -380,6 +390,7 @@ def federation_flow(
             )
             if budget is not None:
                 tracker.set_tags(budget.tags())
+            tracker.record_prefect_run(prefect_id, first_round)
     except BaseException:
         # release the state-dir lock (a long-lived `clma serve` process would otherwise
         # refuse every later run of this federation) and close the MLflow run if it opened

@@ -6,9 +6,13 @@ as a deployment with the config's schedule (``schedule.cron`` or
 every scheduled run -- or a manual ``prefect deployment run
 'clma-scheduled-federation/<name>'`` -- loads the federation's durable state
 (``state.dir``, default ``state/<name>``), advances it by ``schedule.rounds_per_run``
-rounds (never beyond ``rounds``) and commits the state after each round. A run that finds
-the federation complete runs no round. At most one run at a time (``limit=1``; the state
-directory's lock refuses a second one anyway).
+rounds (never beyond ``rounds``) and commits the state after each round. Runs are named by
+the rounds they advance (``<name>-rounds-3-4``) and log what they do; the run that
+completes the federation (or finds it complete) logs "federation complete" and pauses the
+deployment, so the schedule stops firing. At most one run at a time: the deployment's
+concurrency limit is 1 (``global_limit=1``, shown on the deployment; the serving process
+also runs one at a time and the state directory's lock refuses a second one anyway). On
+SIGTERM the deployment is paused, so it shows no next run while nothing serves it.
 
 It needs a Prefect API that outlives the command: a server (``infra/prefect-server.sh
 start`` and ``PREFECT_API_URL``). With ``federation.transport = "flower"`` each scheduled
@@ -20,6 +24,7 @@ the same Prefect API). For work pools instead of a serving process, see
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +35,8 @@ from clma.state import default_state_dir
 
 __all__ = [
     "DEPLOYMENT_FLOW",
+    "advance_run_name",
+    "pause_deployment",
     "resolve",
     "scheduled_federation_flow",
     "serve_federation",
@@ -59,7 +66,49 @@ def resolve(config_path: str | None, state_dir: str | None
     return cfg, Path(state_dir) if state_dir else default_state_dir(cfg)
 
 
-@flow(name=DEPLOYMENT_FLOW, flow_run_name="advance-{rounds_per_run}")
+def _plan(config_path: str | None, state_dir: str | None, rounds_per_run: int | None
+          ) -> tuple[FederationConfig, Path, int, int]:
+    """(config, state dir, first round to run, last round to run); first > last: complete."""
+    from tasks.durable import state_summary
+
+    cfg, sdir = resolve(config_path, state_dir)
+    n = int(rounds_per_run) if rounds_per_run is not None else cfg.schedule.rounds_per_run
+    if n < 1:
+        raise ValueError("rounds_per_run: must be a positive integer")
+    done = state_summary(sdir)["round"] or 0
+    return cfg, sdir, done + 1, min(cfg.rounds, done + n)
+
+
+def advance_run_name() -> str:
+    """Run name of a scheduled run: ``<federation>-rounds-<a>-<b>`` (``-round-<a>`` for one
+    round), ``<federation>-complete`` when nothing is left; ``advance`` if the state cannot
+    be read (the run itself then reports why)."""
+    from prefect.runtime import flow_run
+
+    p = flow_run.parameters or {}
+    try:
+        cfg, _, first, last = _plan(p.get("config_path"), p.get("state_dir"),
+                                    p.get("rounds_per_run"))
+    except Exception:  # noqa: BLE001 (a name must never fail the run)
+        return "advance"
+    if first > last:
+        return f"{cfg.name}-complete"
+    return f"{cfg.name}-round-{first}" if first == last else f"{cfg.name}-rounds-{first}-{last}"
+
+
+def pause_deployment(deployment_id: Any) -> bool:
+    """Pause a deployment (its schedules stop creating runs); False if the API refused."""
+    from prefect.client.orchestration import get_client
+
+    try:
+        with get_client(sync_client=True) as client:
+            client.pause_deployment(deployment_id)
+    except Exception:  # noqa: BLE001 (reported by the caller)
+        return False
+    return True
+
+
+@flow(name=DEPLOYMENT_FLOW, flow_run_name=advance_run_name)
 def scheduled_federation_flow(
     config_path: str | None = None,
     state_dir: str | None = None,
@@ -68,14 +117,19 @@ def scheduled_federation_flow(
 ) -> dict[str, Any]:
     """Advance the federation in ``state_dir`` by ``rounds_per_run`` rounds (None: the
     config's ``schedule.rounds_per_run``); writes ``summary.json`` to ``out_dir``
-    (default ``<state_dir>/out``) and returns the summary."""
-    from flows.federation import federation_flow
+    (default ``<state_dir>/out``) and returns the summary. When the federation is complete
+    afterwards, pauses the deployment this run belongs to."""
+    from prefect.runtime import deployment
 
-    cfg, sdir = resolve(config_path, state_dir)
-    n = int(rounds_per_run) if rounds_per_run is not None else cfg.schedule.rounds_per_run
-    if n < 1:
-        raise ValueError("rounds_per_run: must be a positive integer")
+    from flows.federation import federation_flow
+    from tasks.story import run_logger
+
+    log = run_logger()
+    cfg, sdir, first, last = _plan(config_path, state_dir, rounds_per_run)
+    if first <= last:
+        log.info(f"federation {cfg.name}: advancing rounds {first} to {last} of {cfg.rounds}")
     out = out_dir or str(sdir / "out")
+    n = max(1, last - first + 1)
     if cfg.transport == "flower":  # real clients: the flow runs inside a Flower ServerApp
         from flows.flower_launch import launch
 
@@ -84,8 +138,21 @@ def scheduled_federation_flow(
         if res.summary is None:
             raise RuntimeError(f"Flower run {res.flower_run_id} ended {res.status}: "
                                f"{res.details} (log: {res.log})")
-        return res.summary
-    return federation_flow(cfg, out_dir=out, state_dir=str(sdir), max_new_rounds=n)
+        summary = res.summary
+    else:
+        summary = federation_flow(cfg, out_dir=out, state_dir=str(sdir), max_new_rounds=n)
+    if last >= cfg.rounds:
+        log.info(f"federation complete: {cfg.name}, all {cfg.rounds} rounds committed")
+        dep = deployment.id
+        if dep:
+            if pause_deployment(dep):
+                log.info("deployment paused: its schedule no longer creates runs")
+            else:
+                log.warning("federation complete, but the deployment could not be paused; "
+                            "pause it in the Prefect UI")
+    else:
+        log.info(f"federation {cfg.name}: rounds 1 to {last} of {cfg.rounds} committed")
+    return summary
 
 
 def serve_federation(
@@ -114,15 +181,28 @@ def serve_federation(
         "state_dir": str(sdir.resolve()),
         "rounds_per_run": rounds_per_run or sched.rounds_per_run,
     }
-    scheduled_federation_flow.serve(
-        name=name or cfg.name,
-        cron=cron,
-        interval=interval_seconds,
-        parameters=params,
-        description=f"Advance federation {cfg.name!r} by {params['rounds_per_run']} round(s) "
-                    f"per run from its durable state in {params['state_dir']}.",
-        tags=["clma"],
-        limit=1,
-        pause_on_shutdown=False,
-    )
+    dep_name = name or cfg.name
+    try:
+        scheduled_federation_flow.serve(
+            name=dep_name,
+            cron=cron,
+            interval=interval_seconds,
+            parameters=params,
+            description=f"Advance federation {cfg.name!r} by {params['rounds_per_run']} "
+                        f"round(s) per run from its durable state in {params['state_dir']}. "
+                        "At most one run at a time (concurrency limit 1); paused when the "
+                        "federation is complete or `clma serve` stops.",
+            tags=["clma"],
+            paused=False,  # serving again resumes a deployment paused by a shutdown
+            global_limit=1,  # the deployment's concurrency limit (shown in the UI)
+            limit=1,  # this process runs one flow run at a time
+            pause_on_shutdown=True,
+        )
+    finally:  # also after SIGTERM: the deployment shows no next run while nothing serves it
+        with contextlib.suppress(Exception):
+            from prefect.client.orchestration import get_client
+
+            with get_client(sync_client=True) as client:
+                dep = client.read_deployment_by_name(f"{DEPLOYMENT_FLOW}/{dep_name}")
+            pause_deployment(dep.id)
 

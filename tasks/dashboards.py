@@ -332,20 +332,31 @@ def summary_rows(report: Mapping[str, Any]) -> list[dict[str, Any]]:
 
 
 def summary_markdown(report: Mapping[str, Any], federation: str) -> str:
-    """Markdown summary of one evaluation round (Prefect UI)."""
+    """Markdown summary of one evaluation round (Prefect UI): bands as the ranges they
+    stand for, values rounded, and how many planned releases were not drawn (their reasons
+    are in the round run's own story, :mod:`tasks.story`)."""
+    from tasks.story import band_label, region_band_label, release_rows
+
     rows = summary_rows(report)
+    m = int(report.get("min_cohort", 1))
+    planned = release_rows(report)
+    n_pub = sum(r["outcome"] == "published" for r in planned)
+    n_ref = sum(r["outcome"] == "refused" for r in planned)
     lines = [f"# {federation}: round {int(report['round'])}", "",
-             f"Published releases: {len(rows)}; alerts fired: "
+             f"Releases: {n_pub} published, {n_ref} refused, {len(planned) - n_pub - n_ref} "
+             "not released; alerts fired: "
              f"{int(report.get('alerts_fired', len(report.get('alerts', []))))}; "
-             f"suppressed regions: {report.get('suppressed_regions_band', 'n/a')}.", "",
+             "regions below the cohort floor or not evaluated: "
+             f"{region_band_label(report.get('suppressed_regions_band', 'none'))}.", "",
              "| metric | region | value ± 95% bar | contributors | alert |",
              "|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['metric']} | {r['region']} | {r['value']:.3f} ± "
-                     f"{r['error_bar_95']:.3f} | {r['contributors_band']} | "
+                     f"{r['error_bar_95']:.3f} | {band_label(r['contributors_band'], m)} | "
                      f"{'**ALERT**' if r['alert'] else ''} |")
-    lines += ["", "Values are differentially private releases (noise once on the secure "
-              "aggregate); contributors are bands, never counts."]
+    lines += ["", f"Values are differentially private releases (noise once on the secure "
+              f"aggregate); contributors are bands from the cohort floor m = {m}, never "
+              "counts."]
     return "\n".join(lines) + "\n"
 
 

@@ -19,6 +19,7 @@ from prefect import task
 from clma.engine import FederationEngine, RoundContext
 from clma.engine.evaluation import EvaluationOutcome, SecureSums
 from tasks.round import TASK_OPTIONS, prefect_step
+from tasks.tracking import error_bar_key
 
 __all__ = ["evaluate_regions", "log_evaluation", "secure_aggregation_task"]
 
@@ -63,7 +64,7 @@ def log_evaluation(outcome: EvaluationOutcome, tracker: Any = None, out_dir: str
     for name, rep in outcome.published["metrics"].items():
         if rep.get("global"):
             metrics[f"eval.global.{name}"] = rep["global"]["value"]
-            metrics[f"eval.global.{name}.error_bar"] = rep["global"]["error_bar"]
+            metrics[error_bar_key(f"eval.global.{name}")] = rep["global"]["error_bar"]
     roots: list[Path] = []
     if out_dir:
         roots.append(Path(out_dir))

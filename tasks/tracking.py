@@ -22,7 +22,13 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-__all__ = ["default_tracking_uri", "metric_key", "FederationTracker"]
+__all__ = ["EXPERIMENT_KIND", "default_tracking_uri", "error_bar_key", "experiment_tags",
+           "metric_key", "FederationTracker"]
+
+#: MLflow's experiment-type tag: ``custom_model_development`` opens the experiment on its
+#: runs ("Model training") instead of the GenAI view MLflow 3 infers for an untyped one.
+EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
+ERROR_BAR_SUFFIX = ".error_bar"
 
 DEFAULT_STORE = Path("mlflow") / "store"
 
@@ -55,6 +61,27 @@ def metric_key(name: str) -> str:
     return "".join(ch if ch in _KEY_OK else "_" for ch in name)
 
 
+def error_bar_key(name: str) -> str:
+    """The metric name of the published 95 % error bar of metric ``name``: ``<name>.error_bar``.
+
+    Grouping on purpose: a value and its bar share their whole name as a prefix, so they sort
+    next to each other in MLflow's metric lists and its chart search (type the value's name
+    and both charts show), and every ``x.error_bar`` has its ``x``.
+    """
+    return f"{name}{ERROR_BAR_SUFFIX}"
+
+
+def experiment_tags(experiment: str, description: str | None = None) -> dict[str, str]:
+    """Tags of a new experiment: its type (:data:`EXPERIMENT_KIND`) and its description
+    (``mlflow.note.content``, shown on the experiment page)."""
+    note = description or (
+        f"CLMA federation `{experiment}`: one run per federation (step = round), one nested "
+        "run per cohort. Metrics: cohort counts, published evaluation values `x` with their "
+        "95 % error bars `x.error_bar`, `sim_truth.*` only in simulations. Counts of clients "
+        "are bands; no client ids. Schema: mlflow/README.md.")
+    return {EXPERIMENT_KIND[0]: EXPERIMENT_KIND[1], "mlflow.note.content": note}
+
+
 class FederationTracker:
     """Thin wrapper around :class:`mlflow.MlflowClient` bound to one federation run.
 
@@ -80,13 +107,7 @@ class FederationTracker:
         parent_run_id: str | None = None,
     ) -> str:
         """Create (or reuse) the experiment and start the federation run."""
-        exp = self.client.get_experiment_by_name(experiment)
-        if exp is None:
-            self.experiment_id = self.client.create_experiment(
-                experiment, artifact_location=_artifact_location(self.tracking_uri)
-            )
-        else:
-            self.experiment_id = exp.experiment_id
+        self.open_experiment(experiment)
         all_tags = dict(tags)
         if parent_run_id:
             all_tags["mlflow.parentRunId"] = parent_run_id
@@ -98,6 +119,22 @@ class FederationTracker:
         for i in range(0, len(items), 100):
             self.client.log_batch(self.run_id, params=items[i : i + 100])
         return self.run_id
+
+    def open_experiment(self, experiment: str, description: str | None = None) -> str:
+        """The experiment's id, created with :func:`experiment_tags` if new; an existing
+        one gets the tags it lacks (an operator's own type or description is kept)."""
+        exp = self.client.get_experiment_by_name(experiment)
+        wanted = experiment_tags(experiment, description)
+        if exp is None:
+            self.experiment_id = self.client.create_experiment(
+                experiment, artifact_location=_artifact_location(self.tracking_uri),
+                tags=wanted)
+        else:
+            self.experiment_id = exp.experiment_id
+            for k, v in wanted.items():
+                if k not in exp.tags:
+                    self.client.set_experiment_tag(self.experiment_id, k, v)
+        return self.experiment_id
 
     def _rid(self) -> str:
         if self.run_id is None:
@@ -132,6 +169,23 @@ class FederationTracker:
     def set_tags(self, tags: dict[str, str]) -> None:
         for k, v in tags.items():
             self.client.set_tag(self._rid(), k, v)
+
+    def record_prefect_run(self, flow_run_id: str | None, first_round: int) -> list[dict]:
+        """Record a Prefect flow run that advances this federation (a resumed or scheduled
+        federation has several): tag ``clma.prefect_flow_run.<id>`` = its first round, tag
+        ``clma.prefect_flow_run_id`` = the latest, and the artifact ``prefect_flow_runs.json``
+        listing them all in order. Returns that list."""
+        if not flow_run_id:
+            return []
+        prefix = "clma.prefect_flow_run."
+        self.client.set_tag(self._rid(), f"{prefix}{flow_run_id}", str(int(first_round)))
+        self.client.set_tag(self._rid(), "clma.prefect_flow_run_id", flow_run_id)
+        tags = self.client.get_run(self._rid()).data.tags
+        runs = sorted(({"flow_run_id": k[len(prefix):], "first_round": int(v)}
+                       for k, v in tags.items() if k.startswith(prefix) and v.isdigit()),
+                      key=lambda d: (d["first_round"], d["flow_run_id"] != flow_run_id))
+        self.log_dict({"flow_runs": runs}, "prefect_flow_runs.json")
+        return runs
 
     def finish(self, status: str = "FINISHED") -> None:
         if self.run_id is not None:

@@ -292,7 +292,8 @@ def test_named_prefect_tasks_mlflow_lineage_and_the_ledger(seeded_run):
         flows = {n for (n,) in con.execute("select name from flow_run")}
         states = {s for (s,) in con.execute("select state_type from flow_run")}
     assert TASKS <= tasks
-    assert {"round-1", "round-2", "round-3", "round-4"} <= flows and states == {"COMPLETED"}
+    name = summary["federation"]["name"]  # round runs are named <federation>-round-<r>
+    assert {f"{name}-round-{r}" for r in (1, 2, 3, 4)} <= flows and states == {"COMPLETED"}
     from mlflow import MlflowClient
 
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp / 'mlflow.db'}")

@@ -138,7 +138,7 @@ def test_each_round_shows_the_engine_steps_as_named_prefect_tasks(both):
     with get_client(sync_client=True) as client:
         rounds = client.read_flow_runs(flow_run_filter=FlowRunFilter(
             parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent])))
-        assert sorted(r.name for r in rounds) == ["round-1", "round-2", "round-3"]
+        assert sorted(r.name for r in rounds) == [f"{both['cfg'].name}-round-{r}" for r in (1, 2, 3)]
         for run in rounds:
             tasks = client.read_task_runs(task_run_filter=TaskRunFilter(
                 flow_run_id=TaskRunFilterFlowRunId(any_=[run.id])))
@@ -152,3 +152,52 @@ def test_each_round_shows_the_engine_steps_as_named_prefect_tasks(both):
             assert names["charge-evaluation"] == 6, (run.name, names)
             assert names["release-evaluation"] >= 3, (run.name, names)
             assert all(t.state.is_completed() for t in tasks), run.name
+
+
+def test_each_round_run_tells_its_story_in_logs_and_artifacts(both):
+    """The round's own flow run (not only the federation's) has INFO logs and a markdown
+    and a table artifact, also with the quiet console default (PREFECT_LOGGING_LEVEL=
+    WARNING): bands as ranges, rounded numbers, every release with its outcome."""
+    import re
+    import time
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterFlowRunId,
+        FlowRunFilter,
+        FlowRunFilterParentFlowRunId,
+        LogFilter,
+        LogFilterFlowRunId,
+    )
+
+    parent = both["summary"]["prefect"]["flow_run_id"]
+    with get_client(sync_client=True) as client:
+        rounds = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+            parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent])))
+        assert len(rounds) == 3
+        for run in rounds:
+            r = int(run.name.rsplit("-", 1)[1])
+            deadline = time.monotonic() + 30
+            while True:  # the API log handler sends in batches
+                logs = [lg.message for lg in client.read_logs(log_filter=LogFilter(
+                    flow_run_id=LogFilterFlowRunId(any_=[run.id])))]
+                if any("participants:" in m for m in logs) or time.monotonic() > deadline:
+                    break
+                time.sleep(1)
+            assert f"round {r}: participants: 5–9 clients (cohort floor m = 5)" in logs, logs
+            assert any(m.startswith(f"round {r}: release accuracy / global: published ")
+                       for m in logs), logs
+            arts = client.read_artifacts(artifact_filter=ArtifactFilter(
+                flow_run_id=ArtifactFilterFlowRunId(any_=[run.id])))
+            kinds = sorted(a.type for a in arts)
+            assert kinds == ["markdown", "table"], (run.name, kinds)
+            md = next(a.data for a in arts if a.type == "markdown")
+            assert f"round {r}" in md and "published" in md
+            assert not re.search(r"\d\.\d{5,}", md), md  # rounded
+            for raw in ("minimum_to_under_double", "below_minimum", "_to_"):
+                assert raw not in md, (raw, md)
+            if r in (1, 3):  # regional releases are off the cadence on odd rounds
+                assert "off the regional cadence" in md
+            if r == 3:  # the drift splits cohort 0
+                assert re.search(r"split: cohort 0 -> \d", md), md

@@ -128,8 +128,9 @@ def test_summary_rows_and_markdown_have_bands_not_counts():
     assert rows[0] == {"round": 4, "metric": "accuracy", "region": "north", "value": 0.5,
                        "error_bar_95": 0.05, "contributors_band": "double_to_under_fourfold",
                        "alert": False}
-    md = summary_markdown(rep, "fed-a")
-    assert "| accuracy | south | 0.700 ± 0.100 | double_to_under_fourfold | **ALERT** |" in md
+    md = summary_markdown({**rep, "min_cohort": 5}, "fed-a")
+    assert "| accuracy | south | 0.700 ± 0.100 | 10–19 clients | **ALERT** |" in md
+    assert "double_to_under_fourfold" not in md and "from the cohort floor m = 5" in md
     assert "contributors" in md and "count" not in md.replace("counts", "")
 
 
