@@ -220,11 +220,16 @@ _API_ONLY = logging.getLogger("clma.operator")
 def run_logger() -> logging.LoggerAdapter:
     """The Prefect run logger, at INFO also when the console is kept quiet
     (``PREFECT_LOGGING_LEVEL=WARNING``, the ``clma`` default): the story then goes to the
-    Prefect API only (the run's logs in the UI), not to the terminal."""
+    Prefect API only (the run's logs in the UI), not to the terminal. Outside a flow or
+    task run, the ``clma`` logger."""
     from prefect import get_run_logger
+    from prefect.exceptions import MissingContextError
     from prefect.logging.handlers import APILogHandler
 
-    logger = get_run_logger()
+    try:
+        logger = get_run_logger()
+    except MissingContextError:  # called outside a run (a flow's .fn, a script)
+        return logging.LoggerAdapter(logging.getLogger("clma"), {})
     if logger.isEnabledFor(logging.INFO):
         return logger
     if not _API_ONLY.handlers:
