@@ -777,6 +777,8 @@ def test_low_order_blacklist_entries_are_rejected_by_x25519():
 
 
 def test_shamir_field_is_prime_and_shares_reconstruct():
+    # sympy comes with torch (a dependency of the base install), so this runs everywhere the
+    # library installs; the skip only guards a torch build without it
     sympy = pytest.importorskip("sympy")
     assert sympy.isprime(secagg.SHAMIR_PRIME)
     secret = 2**128 - 1
