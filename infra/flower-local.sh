@@ -14,6 +14,14 @@
 # a folder made by `certs` (ca.crt, server.crt, server.key): then the SuperLink serves TLS
 # and the SuperNodes verify it with ca.crt; point the config's root_certificates there.
 #
+# With TLS, SuperNode authentication is on by default (CLMA_FLOWER_AUTH): each SuperNode i
+# gets its own EC key pair (P-384, OpenSSH format, as flwr 1.42 expects) in <run>/keys
+# (folder 0700, private key 0600, made once and reused), the SuperLink starts with
+# --enable-supernode-auth, the public keys are registered with `flwr supernode register`
+# before the SuperNodes start, and SuperNode i starts with --auth-supernode-private-key.
+# The SuperLink refuses a SuperNode whose key is not registered (it exits: "Failed to
+# activate SuperNode"). Flower refuses SuperNode authentication without TLS.
+#
 # Environment (all optional):
 #   CLMA_FLOWER_DIR        run folder: pid files, logs, databases, node folders
 #                          (default $CLMA_INFRA_DIR/flower-local)
@@ -21,6 +29,8 @@
 #   CLMA_FLOWER_PORT       SuperLink port, all its APIs (default 9093)
 #   CLMA_FLOWER_NODE_PORT  first SuperNode Runtime API port; node i uses +i (default 9110)
 #   CLMA_FLOWER_TLS        folder of certs (see above); unset = insecure
+#   CLMA_FLOWER_AUTH       SuperNode authentication, true or false (default: true with TLS;
+#                          true without TLS is refused)
 #   CLMA_VENV              venv holding flwr and clma (default <project>/.venv)
 #   CLMA_START_TIMEOUT     seconds to wait for each process (default 120)
 # Then: clma run --config clma/configs/flower_local.toml   ([federation.flower] superlink =
@@ -34,6 +44,14 @@ PORT="${CLMA_FLOWER_PORT:-9093}"
 NODE_PORT="${CLMA_FLOWER_NODE_PORT:-9110}"
 TLS="${CLMA_FLOWER_TLS:-}"
 check_loopback "$HOST"; check_port "$PORT"; check_port "$NODE_PORT"
+case "${CLMA_FLOWER_AUTH:-}" in
+    "") if [ -n "$TLS" ]; then AUTH=1; else AUTH=0; fi ;;
+    1|true|yes) AUTH=1 ;;
+    0|false|no) AUTH=0 ;;
+    *) die "CLMA_FLOWER_AUTH='$CLMA_FLOWER_AUTH': use true or false" ;;
+esac
+KEYS="$RUN/keys"
+CONNECTION=clma-local  # the Flower CLI connection the script registers keys through
 
 export FLWR_TELEMETRY_ENABLED=0 FLWR_DISABLE_UPDATE_CHECK=1 FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1
 # the SuperLink starts flower-superexec / flwr-serverapp, the SuperNodes flwr-clientapp:
@@ -110,6 +128,64 @@ cmd_certs() {  # DIR: a self-signed CA and a server certificate for 127.0.0.1 / 
     echo "certificates in $dir: ca.crt (give it to clients: root_certificates), server.crt, server.key"
 }
 
+# SuperNode keys live under the run folder, never in the repository: refuse a run folder
+# inside the checkout that git does not ignore (the default, state/, is ignored).
+check_keys_dir() {
+    local abs
+    abs="$(mkdir -p "$RUN" && cd "$RUN" && pwd)"
+    case "$abs/" in
+        "$CLMA_ROOT"/*)
+            if ! git -C "$CLMA_ROOT" check-ignore -q "$abs/keys" 2>/dev/null; then
+                die "CLMA_FLOWER_DIR '$RUN' is inside the checkout and not git-ignored; SuperNode private keys stay outside the repository"
+            fi ;;
+    esac
+}
+
+# node_key I: the key pair of SuperNode I, made once (P-384, OpenSSH format: what
+# `flwr supernode register` and `flower-supernode --auth-supernode-private-key` read)
+node_key() {
+    local i=$1 key="$KEYS/supernode-$1" mode
+    (umask 077; mkdir -p "$KEYS"); chmod 700 "$KEYS"
+    if [ ! -f "$key" ]; then
+        (umask 077; "$(tool python)" - "$key" <<'PY'
+import os, sys
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+
+path = sys.argv[1]
+key = ec.generate_private_key(ec.SECP384R1())
+pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
+                        serialization.NoEncryption())
+pub = key.public_key().public_bytes(serialization.Encoding.OpenSSH,
+                                    serialization.PublicFormat.OpenSSH)
+for name, data, mode in ((path + ".pub", pub + b"\n", 0o644), (path, pem, 0o600)):
+    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+PY
+        ) || die "could not make the key pair of SuperNode $i in $KEYS"
+    fi
+    [ -f "$key.pub" ] || die "$key.pub is missing (delete $key to make a new pair)"
+    mode=$(stat -c %a "$key")
+    case "$mode" in
+        *00) ;;
+        *) die "$key: mode $mode lets group or others read the private key; run: chmod 600 '$key'" ;;
+    esac
+}
+
+# register_key I: register SuperNode I's public key on the SuperLink (Control API, through
+# the script's own CLI connection); a key registered before (a restart) is fine
+register_key() {
+    local i=$1 out
+    out=$(FLWR_HOME="$RUN/cli-home" "$(tool flwr)" supernode register "$KEYS/supernode-$i.pub" \
+          "$CONNECTION" --format json 2>&1) || true
+    echo "SuperNode $i: $out" >>"$RUN/register.log"
+    if printf '%s' "$out" | grep -q '"success": true'; then return 0; fi
+    if printf '%s' "$out" | grep -q 'Public key already in use'; then return 0; fi
+    echo "registering the key of SuperNode $i failed (log: $RUN/register.log)" >&2
+    return 1
+}
+
 cmd_start() {
     local n="${1:-}"
     case "$n" in ''|*[!0-9]*) die "usage: $0 start N (N SuperNodes, N >= 1)" ;; esac
@@ -132,6 +208,17 @@ cmd_start() {
         tls_link=(--ssl-ca-certfile "$TLS/ca.crt" --ssl-certfile "$TLS/server.crt" --ssl-keyfile "$TLS/server.key")
         tls_node=(--root-certificates "$TLS/ca.crt")
     fi
+    if [ "$AUTH" = 1 ]; then
+        [ -n "$TLS" ] || die "CLMA_FLOWER_AUTH=true needs TLS (Flower refuses --enable-supernode-auth with --insecure): set CLMA_FLOWER_TLS (make certificates: $0 certs DIR)"
+        check_keys_dir
+        for ((i = 0; i < n; i++)); do node_key "$i"; done
+        tls_link+=(--enable-supernode-auth)
+        local ca; ca="$(cd "$TLS" && pwd)/ca.crt"
+        mkdir -p "$RUN/cli-home"
+        printf '[superlink]\ndefault = "%s"\n\n[superlink.%s]\naddress = "%s:%s"\ninsecure = false\nroot-certificates = "%s"\n' \
+            "$CONNECTION" "$CONNECTION" "$HOST" "$PORT" "$ca" >"$RUN/cli-home/config.toml"
+        : >"$RUN/register.log"
+    fi
     mkdir -p "$RUN/superlink-home"
     # a new session (setsid) per process: stop signals its whole process group
     FLWR_HOME="$RUN/superlink-home" setsid "$superlink" "${tls_link[@]}" \
@@ -140,10 +227,15 @@ cmd_start() {
     echo $! >"$RUN/superlink.pid"
     wait_for "SuperLink" "$RUN/superlink.pid" "$RUN/superlink.log" "Uvicorn running" || { cmd_stop >/dev/null; exit 1; }
     echo "SuperLink running (pid $(cat "$RUN/superlink.pid")) at $HOST:$PORT  [log: $RUN/superlink.log]"
+    if [ "$AUTH" = 1 ]; then
+        for ((i = 0; i < n; i++)); do register_key "$i" || { cmd_stop >/dev/null; exit 1; }; done
+        echo "SuperNode authentication on: $n public keys registered (key pairs in $KEYS, private keys 0600)"
+    fi
     for ((i = 0; i < n; i++)); do
-        local d="$RUN/nodes/$i"
+        local d="$RUN/nodes/$i" auth_node=()
+        [ "$AUTH" = 1 ] && auth_node=(--auth-supernode-private-key "$KEYS/supernode-$i")
         mkdir -p "$d/home" "$d/state"
-        FLWR_HOME="$d/home" setsid "$node" "${tls_node[@]}" --superlink "$HOST:$PORT" \
+        FLWR_HOME="$d/home" setsid "$node" "${tls_node[@]}" "${auth_node[@]}" --superlink "$HOST:$PORT" \
             --host "$HOST" --port $((NODE_PORT + i)) \
             --node-config "partition-id=$i num-partitions=$n state-dir='$d/state'" \
             >"$d/supernode.log" 2>&1 </dev/null &
