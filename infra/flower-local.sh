@@ -131,10 +131,10 @@ cmd_certs() {  # DIR: a self-signed CA and a server certificate for 127.0.0.1 / 
 # SuperNode keys live under the run folder, never in the repository: refuse a run folder
 # inside the checkout that git does not ignore (the default, state/, is ignored).
 check_keys_dir() {
-    local abs
-    abs="$(mkdir -p "$RUN" && cd "$RUN" && pwd)"
+    local abs root
+    abs="$(realpath -m "$RUN")"; root="$(realpath -m "$CLMA_ROOT")"
     case "$abs/" in
-        "$CLMA_ROOT"/*)
+        "$root"/*)
             if ! git -C "$CLMA_ROOT" check-ignore -q "$abs/keys" 2>/dev/null; then
                 die "CLMA_FLOWER_DIR '$RUN' is inside the checkout and not git-ignored; SuperNode private keys stay outside the repository"
             fi ;;
@@ -190,6 +190,10 @@ cmd_start() {
     local n="${1:-}"
     case "$n" in ''|*[!0-9]*) die "usage: $0 start N (N SuperNodes, N >= 1)" ;; esac
     [ "$n" -ge 1 ] || die "start: N must be at least 1"
+    if [ "$AUTH" = 1 ]; then  # before anything is made
+        [ -n "$TLS" ] || die "CLMA_FLOWER_AUTH=true needs TLS (Flower refuses --enable-supernode-auth with --insecure): set CLMA_FLOWER_TLS (make certificates: $0 certs DIR)"
+        check_keys_dir
+    fi
     mkdir -p "$RUN"
     if pid_alive "$RUN/superlink.pid"; then
         die "already running (SuperLink pid $(cat "$RUN/superlink.pid")); stop it first"
@@ -209,8 +213,6 @@ cmd_start() {
         tls_node=(--root-certificates "$TLS/ca.crt")
     fi
     if [ "$AUTH" = 1 ]; then
-        [ -n "$TLS" ] || die "CLMA_FLOWER_AUTH=true needs TLS (Flower refuses --enable-supernode-auth with --insecure): set CLMA_FLOWER_TLS (make certificates: $0 certs DIR)"
-        check_keys_dir
         for ((i = 0; i < n; i++)); do node_key "$i"; done
         tls_link+=(--enable-supernode-auth)
         local ca; ca="$(cd "$TLS" && pwd)/ca.crt"
