@@ -10,6 +10,9 @@ secure-aggregation and the ledger's charge-evaluation / release-evaluation steps
 evaluate-regions without a ledger). Each round run is named ``<federation>-round-<r>`` and
 tells its story on itself (:mod:`tasks.story`: run logs, a markdown and a table artifact
 with the bands, splits, merges and every release published or refused with its reason).
+The federation run ``<federation>-seed<seed>`` logs what it runs (rounds, clients,
+transport, noise source, MLflow run), one line per committed round (cohort ids, how many
+releases were published / refused / not released, the round run's name) and how it ended.
 It runs on the embedded default: with no
 ``PREFECT_API_URL`` Prefect starts a temporary local API; nothing to start by hand.
 """
@@ -47,7 +50,7 @@ from tasks.round import (
     select_clients_task,
     train_clients_task,
 )
-from tasks.story import publish_round_story, round_story
+from tasks.story import federation_round_line, publish_round_story, round_story, run_logger
 from tasks.tracking import FederationTracker, error_bar_key
 
 __all__ = ["RoundRecord", "federation_flow", "round_flow", "run_federation", "SUMMARY_SCHEMA"]
@@ -406,11 +409,19 @@ def federation_flow(
         raise
     records: list[RoundRecord] = []
     status = "FAILED"
+    log = run_logger()  # the federation run's own logs (API-only under the quiet default)
+    last = session.last_round(max_new_rounds)
+    log.info(f"federation {config.name}: rounds {first_round} to {last} of {config.rounds}, "
+             f"{config.clients} clients, transport {transport.name}, noise "
+             f"{noise_label(config)['source']}; MLflow run "
+             f"{tracker.run_id if tracker else 'off (tracking disabled)'}")
     try:
-        for r in range(first_round, session.last_round(max_new_rounds) + 1):
+        for r in range(first_round, last + 1):
             session.round_started(r)
             rec = round_flow(engine, transport, r, on_divergence=on_divergence)
             records.append(rec)
+            log.info(federation_round_line(published_round(rec, engine.evaluator.min_cohort),
+                                           config.name))
             if tracker:
                 tracker.log_metrics(_round_metrics(rec), step=r)
                 if rec.regional:
@@ -423,7 +434,12 @@ def federation_flow(
             if on_round:
                 on_round(rec)
         status = "FINISHED"
+        log.info(f"federation {config.name}: {len(records)} round(s) run, "
+                 f"{engine.state.rounds_done} of {config.rounds} done")
     finally:
+        if status != "FINISHED":
+            log.warning(f"federation {config.name}: failed during round "
+                        f"{first_round + len(records)}")
         if own_transport:
             transport.close()
         if tracker:

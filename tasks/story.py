@@ -27,6 +27,7 @@ from typing import Any
 __all__ = [
     "RoundStory",
     "band_label",
+    "federation_round_line",
     "publish_round_story",
     "region_band_label",
     "release_rows",
@@ -206,6 +207,21 @@ def round_story(published: Mapping[str, Any], *, federation: str, min_cohort: in
     table = [{"round": r, **row, "reason": REASONS.get(row["reason"], row["reason"])}
              for row in rows]
     return RoundStory(r, [f"round {r}: {line}" for line in lines], "\n".join(md) + "\n", table)
+
+
+def federation_round_line(published: Mapping[str, Any], federation: str) -> str:
+    """The federation run's log line for one committed round: its cohorts and how many
+    planned releases were published, refused or not released, and where the round's
+    story is (the round run's name). Cohort ids and release counts only: no client."""
+    r = int(published["round"])
+    rows = release_rows(published["regional"]) if published.get("regional") else []
+    n_pub = sum(row["outcome"] == "published" for row in rows)
+    n_ref = sum(row["outcome"] == "refused" for row in rows)
+    cohorts = ", ".join(published["cohorts"]) or "none"
+    releases = (f"releases {n_pub} published, {n_ref} refused, {len(rows) - n_pub - n_ref} "
+                "not released" if rows else "no evaluation")
+    return (f"round {r} committed: cohorts {cohorts}; {releases} (the round's story: run "
+            f"{federation}-round-{r})")
 
 
 def story_artifact_key(federation: str) -> str:

@@ -24,10 +24,12 @@ import pytest  # noqa: E402
 
 @pytest.fixture(scope="session")
 def prefect_harness():
-    """A temporary Prefect API for the whole session (started on first use, ~7 s)."""
+    """A temporary Prefect API for the whole session (started on first use, ~7 s; on a
+    loaded machine allow longer with CLMA_TEST_PREFECT_STARTUP_TIMEOUT, seconds)."""
     from prefect.testing.utilities import prefect_test_harness
 
-    with prefect_test_harness(server_startup_timeout=120):
+    timeout = int(os.environ.get("CLMA_TEST_PREFECT_STARTUP_TIMEOUT", "120"))
+    with prefect_test_harness(server_startup_timeout=timeout):
         yield
 
 

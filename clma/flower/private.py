@@ -47,7 +47,11 @@ class PrivateEvaluation(Strategy):
         metrics: published metric names (a subset of ``accuracy``, ``mean_loss``) returned
             by ``aggregate_evaluate``; default both.
         epsilon / min_cohort: override ``evaluation.epsilon`` and
-            ``evaluation.min_cohort`` (the floor in force is at least the policy's).
+            ``evaluation.min_cohort``. An explicit ``min_cohort`` must be at least the
+            privacy policy's floor (``evaluation.minimum_group_size`` of
+            ``budget.policy``, 5 in the shipped policies): a smaller one is refused here,
+            before any round (the floor in force is
+            ``max(evaluation.min_cohort, minimum_group_size)``).
         secagg_corrupted_fraction / secagg_dropout_fraction: override the SecAgg+
             assumptions ``evaluation.secagg_corrupted_fraction`` /
             ``evaluation.secagg_dropout_fraction``, from which the engine derives each
@@ -58,7 +62,8 @@ class PrivateEvaluation(Strategy):
 
     Raises:
         TypeError: ``strategy`` is not a CLMA strategy.
-        ValueError: an unknown metric name, or an override that breaks the config's rules.
+        ValueError: an unknown metric name, ``min_cohort`` below the policy's floor, or an
+            override that breaks the config's rules.
     """
 
     def __init__(self, strategy: CLMA, *, metrics: Iterable[str] | None = None,
@@ -82,7 +87,19 @@ class PrivateEvaluation(Strategy):
                        ("secagg_dropout_fraction", secagg_dropout_fraction)):
             if v is not None:
                 data["evaluation"][key] = v
-        strategy.config = validate_config(data)
+        config = validate_config(data)
+        if min_cohort is not None:
+            from clma.engine.budget import policy_of
+
+            floor = policy_of(config).evaluation.minimum_group_size
+            if config.evaluation.min_cohort < floor:
+                raise ValueError(
+                    f"min_cohort: must be >= the privacy policy's cohort floor "
+                    f"(evaluation.minimum_group_size = {floor} in "
+                    f"{config.budget.policy or 'the shipped default policy'}); got "
+                    f"{config.evaluation.min_cohort}. No release may cover fewer clients "
+                    f"than the floor: pass min_cohort >= {floor} or leave it unset")
+        strategy.config = config
         self.strategy = strategy
         self.metrics = names
         self.gate = gate

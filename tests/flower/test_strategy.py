@@ -164,6 +164,23 @@ def test_constructor_options_keep_working(run_id, world, tmp_path):
     assert strat.engine._selector(fed.initial_model).shape == (n_last,)
 
 
+def test_a_min_cohort_below_the_policy_floor_is_refused_at_construction(world):
+    cfg, _ = world
+    from clma.engine.budget import policy_of
+
+    floor = policy_of(cfg).evaluation.minimum_group_size
+    assert floor == 5  # the shipped policy's cohort floor
+    inner = CLMA(config=cfg)
+    before = inner.config
+    with pytest.raises(ValueError, match=r"^min_cohort: must be >= the privacy policy's cohort "
+                       r"floor \(evaluation\.minimum_group_size = 5 .*got 3\."):
+        PrivateEvaluation(inner, min_cohort=3)
+    assert inner.config is before and inner.engine is None  # nothing changed, no round ran
+    with pytest.raises(ValueError, match="min_cohort: must be >= .* got 4"):
+        PrivateEvaluation(CLMA(config=cfg), min_cohort=floor - 1)
+    assert PrivateEvaluation(CLMA(config=cfg), min_cohort=floor).config.evaluation.min_cohort == 5
+
+
 def test_a_user_model_without_assets_runs_with_divergence_off(run_id, world, tmp_path):
     cfg, fed = world
     strat = CLMA(config=_ledgered(cfg, tmp_path), model_fn=fed.spec.build, min_available_nodes=6)

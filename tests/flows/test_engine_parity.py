@@ -201,3 +201,20 @@ def test_each_round_run_tells_its_story_in_logs_and_artifacts(both):
                 assert "off the regional cadence" in md
             if r == 3:  # the drift splits cohort 0
                 assert re.search(r"split: cohort 0 -> \d", md), md
+        # the federation run has logs of its own: what it runs, one line per round, the end
+        deadline = time.monotonic() + 30
+        while True:
+            fed_logs = [lg.message for lg in client.read_logs(log_filter=LogFilter(
+                flow_run_id=LogFilterFlowRunId(any_=[parent])))]
+            if any("round(s) run" in m for m in fed_logs) or time.monotonic() > deadline:
+                break
+            time.sleep(1)
+    name = both["cfg"].name
+    assert fed_logs[0].startswith(f"federation {name}: rounds 1 to 3 of 3, 8 clients, "
+                                  "transport simulation, noise seeded"), fed_logs
+    rounds_logged = [m for m in fed_logs if " committed: cohorts " in m]
+    assert [m.split(" ", 2)[1] for m in rounds_logged] == ["1", "2", "3"], fed_logs
+    assert rounds_logged[2].endswith(f"(the round's story: run {name}-round-3)")
+    assert re.match(r"round 3 committed: cohorts 0, \d+, \d+; releases \d+ published",
+                    rounds_logged[2]), rounds_logged
+    assert fed_logs[-1] == f"federation {name}: 3 round(s) run, 3 of 3 done", fed_logs

@@ -3,7 +3,13 @@ bands as the ranges they stand for, values rounded, no raw enum text."""
 
 from __future__ import annotations
 
-from tasks.story import band_label, region_band_label, round_story, story_artifact_key
+from tasks.story import (
+    band_label,
+    federation_round_line,
+    region_band_label,
+    round_story,
+    story_artifact_key,
+)
 
 
 def _pub(value, bar, band="minimum_to_under_double"):
@@ -85,3 +91,12 @@ def test_artifact_key_is_a_valid_prefect_key():
     key = story_artifact_key("My Fed_2")
     assert key.startswith("clma-round-my-fed-2-")
     assert key == key.lower() and set(key) <= set("abcdefghijklmnopqrstuvwxyz0123456789-")
+
+
+def test_federation_round_line_counts_outcomes_and_names_the_round_run():
+    line = federation_round_line(_published_round(), "fed-a")
+    assert line == ("round 3 committed: cohorts 0, 1, 2; releases 1 published, 2 refused, "
+                    "1 not released (the round's story: run fed-a-round-3)")
+    quiet = {**_published_round(), "regional": None, "cohorts": {"0": "below_minimum"}}
+    assert federation_round_line(quiet, "fed-a") == (
+        "round 3 committed: cohorts 0; no evaluation (the round's story: run fed-a-round-3)")
