@@ -56,6 +56,8 @@ __all__ = ["CLMA", "COHORT_ID_KEY", "DRIFT_FLAG_KEY"]
 
 DRIFT_FLAG_KEY = codec.DRIFT_FLAG
 COHORT_ID_KEY = "cohort-id"
+#: the drift flag's metric keys (this package's ClientApp's, fed-clma's): not aggregated
+_DRIFT_KEYS = (codec.DRIFT_FLAG, "clma-drift")
 _FIXED_KEYS = {"weighted_by_key": codec.NUM_EXAMPLES, "arrayrecord_key": codec.ARRAYS}
 
 
@@ -133,7 +135,9 @@ class CLMA(FedAvg):
         **fedavg_kwargs: FedAvg's options. ``fraction_train`` is the engine's
             ``training.participation`` (seeded selection); ``min_available_nodes`` /
             ``min_train_nodes``: nodes to wait for before the first round;
-            ``train_metrics_aggr_fn`` aggregates the accepted replies' metrics. The record
+            ``train_metrics_aggr_fn`` aggregates the accepted replies' metrics (the drift
+            flags are dropped from the result: their mean would give the exact count of
+            drifted clients, a count that leaves the server only as a band). The record
             keys are the CLMA ClientApp's (``weighted_by_key="num-examples"``,
             ``arrayrecord_key="arrays"``).
 
@@ -280,6 +284,9 @@ class CLMA(FedAvg):
         ok = [accepted[c] for c in sorted(checked.ok)]
         metrics = (self.train_metrics_aggr_fn([m.content for m in ok], self.weighted_by_key)
                    if ok else MetricRecord())
+        for key in _DRIFT_KEYS:  # their mean times the replies = the exact drifted count
+            if key in metrics:
+                del metrics[key]
         metrics["n-cohorts"] = len(self.engine.state.cohort_models)
         return self._largest_cohort_arrays(), metrics
 
