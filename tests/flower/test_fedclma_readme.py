@@ -176,3 +176,48 @@ def test_kstest_module_and_one_cohort_per_client_match_fedclma():
     out = CLMACohorter(clusterer=OneCohortPerClient()).cohort(list(range(5)), m,
                                                              np.zeros(200))
     assert sorted(out.assignments.values()) == [0, 1, 2, 3, 4]
+
+
+def test_extension_abcs_have_fedclmas_abstract_methods_and_parameters():
+    import inspect
+
+    ref.load()
+    import fedclma_ref.cohort as their_cohort
+    import fedclma_ref.drift as their_drift
+    import fedclma_ref.params as their_params
+
+    import clma
+
+    pairs = [(clma.DriftDetector, their_drift.DriftDetector),
+             (clma.ParamSelector, their_params.ParamSelector),
+             (clma.Cohorter, their_cohort.Cohorter), (clma.Clusterer, their_cohort.Clusterer)]
+    for ours, theirs in pairs:
+        assert ours.__abstractmethods__ == theirs.__abstractmethods__, ours
+        for name in theirs.__abstractmethods__:
+            a = list(inspect.signature(getattr(ours, name)).parameters)
+            b = list(inspect.signature(getattr(theirs, name)).parameters)
+            assert len(a) == len(b), (ours, name, a, b)
+
+    class Never(clma.DriftDetector):  # a fed-clma-style detector plugs into DriftReporter
+        def __init__(self):
+            self.seen = []
+
+        def update(self, loss):
+            self.seen.append(loss)
+            return False
+
+        def reset(self):
+            self.seen = []
+
+        def state_dict(self):
+            return {"n": float(len(self.seen))}
+
+        def load_state_dict(self, state):
+            self.seen = [0.0] * int(state["n"])
+
+    from clma.client import DriftReporter
+
+    context = Context(run_id=7, node_id=5, node_config={}, state=RecordDict(), run_config={})
+    for _ in range(3):
+        DriftReporter(context, detector_factory=Never).observe(9.0)
+    assert DriftReporter(context, detector_factory=Never).detector.seen == [0.0] * 3
