@@ -33,6 +33,7 @@ _EXPORTS: dict[str, tuple[str, bool]] = {
     "AutoKMeans": ("clma.cohort", False),
     "CLMACohorter": ("clma.cohort", False),
     "Clusterer": ("clma.cohort", False),
+    "OneCohortPerClient": ("clma.cohort", False),
     "Cohorter": ("clma.cohort", False),
     "CohortRegistry": ("clma.cohort", False),
     "signed_ks_statistic": ("clma.cohort", False),

@@ -21,13 +21,11 @@ from collections.abc import Callable
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 
 from clma.drift import DriftDetector, InferenceDriftMonitor, LossThresholdDetector
+from clma.interop import COHORT_KEY, DRIFT_KEY, LOSS_KEY, NUM_EXAMPLES_KEY
 
 __all__ = ["COHORT_KEY", "DEFAULT_GAMMA", "DRIFT_KEY", "LOSS_KEY", "NUM_EXAMPLES_KEY",
            "STATE_KEY", "DriftReporter", "InferenceDriftMonitor", "cohort_id"]
 
-#: fed-clma's record keys (its ``clma.interop``).
-DRIFT_KEY, LOSS_KEY, COHORT_KEY, NUM_EXAMPLES_KEY = (
-    "clma-drift", "clma-loss", "clma-cohort", "num-examples")
 #: Key of the detector's state in ``Context.state`` (fed-clma's).
 STATE_KEY = "clma-detector-state"
 #: fed-clma's default loss-rise threshold (the paper's gamma).

@@ -5,7 +5,13 @@ Algorithm 3, with the improvements documented in :mod:`clma.cohort.cohorter` and
 :mod:`clma.cohort.merging`.
 """
 
-from clma.cohort.clustering import AutoKMeans, Clusterer, ClusteringResult, canonical_labels
+from clma.cohort.clustering import (
+    AutoKMeans,
+    Clusterer,
+    ClusteringResult,
+    OneCohortPerClient,
+    canonical_labels,
+)
 from clma.cohort.cohorter import (
     DIRECTIONS,
     CLMACohorter,
@@ -58,6 +64,7 @@ __all__ = [
     "GroupDiagnostics",
     "KSComponents",
     "LineageEvent",
+    "OneCohortPerClient",
     "RegistryError",
     "SortedReference",
     "canonical_labels",

@@ -18,7 +18,8 @@ from sklearn.cluster import KMeans
 from sklearn.exceptions import ConvergenceWarning
 from sklearn.metrics import silhouette_score
 
-__all__ = ["AutoKMeans", "ClusteringResult", "Clusterer", "canonical_labels"]
+__all__ = ["AutoKMeans", "ClusteringResult", "Clusterer", "OneCohortPerClient",
+           "canonical_labels"]
 
 
 def canonical_labels(labels: np.ndarray) -> np.ndarray:
@@ -173,3 +174,14 @@ class AutoKMeans(Clusterer):
             return ClusteringResult(one, 1, scores, "best silhouette below min_silhouette")
         labels = canonical_labels(best_labels)
         return ClusteringResult(labels, int(labels.max()) + 1, scores, "silhouette")
+
+
+class OneCohortPerClient(Clusterer):
+    """Every row its own cluster (fed-clma's maximally conservative baseline: no drifted
+    client shares a cohort). Labels ``0 .. n-1`` int64."""
+
+    def fit_predict(self, X: np.ndarray) -> np.ndarray:
+        return np.arange(_validate_X(X).shape[0], dtype=np.int64)
+
+    def __repr__(self) -> str:
+        return "OneCohortPerClient()"

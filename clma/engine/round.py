@@ -204,8 +204,13 @@ class FederationEngine:
         """
         template = self.assets.model_spec.build()
         st = template.state_dict()
-        full = AllParams().select_module(template)
-        chosen = (selector or DefaultSelector()).select_module(template)
+        sel = selector or DefaultSelector()
+        if hasattr(template, "named_parameters"):  # a torch module: its AllParams vector
+            full = AllParams().select_module(template)
+            chosen = sel.select_module(template)
+        else:  # name -> array of every entry of the vector (a Flower record's layout)
+            full = list(st)
+            chosen = sel.select(st)
         if not chosen:
             raise ValueError("selector: selects no array of the model")
         if chosen == full:

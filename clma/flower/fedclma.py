@@ -1,4 +1,18 @@
-"""fed-clma 0.1.1's train-reply format, accepted by :class:`clma.flower.CLMA`.
+"""fed-clma 0.1.1's message format, spoken by :class:`clma.flower.CLMA` to the nodes that
+run a fed-clma-style ClientApp (one that registers only ``@app.train()``).
+
+Which nodes: the strategy asks every node its partition id (``query.clma_roster``); a
+ClientApp without a query handler answers with Flower's error reply "No query function
+registered with name 'clma_roster'" (:func:`is_unregistered_query`). Such a node is a
+fed-clma-format client: it gets one of the client ids no node claimed (in node-id order),
+its train messages are :func:`encode_train_request` (what fed-clma's strategy sends) and
+its replies :func:`decode_train_reply`.
+
+Train message (fed-clma's ``CLMA._build_messages``): ``"arrays"`` -- the cohort's model as
+a named ``ArrayRecord`` with the keys, shapes and dtypes of the strategy's
+``initial_arrays`` (so ``msg.content["arrays"].to_torch_state_dict()`` loads it) -- and
+``"config"`` -- the ``ConfigRecord`` given to ``start(train_config=...)`` plus
+``server-round`` and ``clma-cohort``.
 
 A fed-clma ClientApp (``clma.client.DriftReporter.build_reply``) replies with a
 ``RecordDict`` holding ``"arrays"`` -- the model as a named ``ArrayRecord`` (e.g. a torch
@@ -13,18 +27,42 @@ and the cohort the engine assigned.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
-from flwr.app import ArrayRecord, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
 from clma.flower.arrays import ArrayLayout
 from clma.flower.codec import MAX_SAMPLES, RECORD, CodecError
+from clma.interop import COHORT_KEY, DRIFT_KEY, LOSS_KEY, NUM_EXAMPLES_KEY
 from clma.rounds import ClientUpdate
 
-__all__ = ["DRIFT_KEY", "LOSS_KEY", "NUM_EXAMPLES_KEY", "decode_train_reply", "is_fedclma_reply"]
+__all__ = ["COHORT_KEY", "DRIFT_KEY", "LOSS_KEY", "NUM_EXAMPLES_KEY", "decode_train_reply",
+           "encode_train_request", "is_fedclma_reply", "is_unregistered_query"]
 
-DRIFT_KEY, LOSS_KEY, NUM_EXAMPLES_KEY = "clma-drift", "clma-loss", "num-examples"
+ROUND_KEY, CONFIG = "server-round", "config"
+#: Flower's ClientApp refusal of a message type it has no function for
+#: (``flwr.clientapp.ClientApp.__call__``), as the SuperNode reports it in the error reply.
+_UNREGISTERED_ROSTER = "No query function registered with name 'clma_roster'"
+
+
+def is_unregistered_query(reason: str | None) -> bool:
+    """True if an error reply's ``reason`` is Flower's "no query function registered" for
+    the roster query: the node's ClientApp has no query handler (a fed-clma ClientApp)."""
+    return _UNREGISTERED_ROSTER in str(reason or "")
+
+
+def encode_train_request(request: Any, client_id: int, layout: ArrayLayout,
+                         config: Mapping[str, Any] | None = None) -> RecordDict:
+    """fed-clma's train message for one client of a :class:`~clma.engine.clients.
+    TrainRequest`: the cohort's model as a named record and the ``config`` (module
+    docstring). Raises ValueError if ``config`` cannot be a ``ConfigRecord``."""
+    cohort = int(request.assignments[client_id])
+    cfg = ConfigRecord(dict(config or {}))
+    cfg[ROUND_KEY] = int(request.round)
+    cfg[COHORT_KEY] = cohort
+    return RecordDict({"arrays": layout.to_record(request.models[cohort]), CONFIG: cfg})
 
 
 def is_fedclma_reply(content: Any) -> bool:

@@ -9,7 +9,9 @@ flow runs, one copy of every rule:
   :class:`clma.flower.transport.FlowerTransport` on the grid (the roster: each node's
   partition id, or ``client_id_of``); :meth:`~FederationEngine.begin_round` selects the
   clients (seeded, ``training.participation``) and fixes their cohorts' models; one
-  ``train`` message per selected node (wire format :mod:`clma.flower.codec`).
+  ``train`` message per selected node (wire format :mod:`clma.flower.codec`; a node whose
+  ClientApp has no query handler -- fed-clma's ClientApp -- gets fed-clma's message format
+  and its replies are accepted, :mod:`clma.flower.fedclma`).
 * ``aggregate_train`` -- every reply is decoded and checked BEFORE any state changes
   (an error reply, a malformed reply, ``num-examples`` < 1, a wrong length: a dropout of
   the round; :meth:`~FederationEngine.check_replies`), then
@@ -54,6 +56,8 @@ __all__ = ["CLMA", "COHORT_ID_KEY", "DRIFT_FLAG_KEY"]
 
 DRIFT_FLAG_KEY = codec.DRIFT_FLAG
 COHORT_ID_KEY = "cohort-id"
+#: the drift flag's metric keys (this package's ClientApp's, fed-clma's): not aggregated
+_DRIFT_KEYS = (codec.DRIFT_FLAG, "clma-drift")
 _FIXED_KEYS = {"weighted_by_key": codec.NUM_EXAMPLES, "arrayrecord_key": codec.ARRAYS}
 
 
@@ -70,17 +74,53 @@ def _config_with(config: FederationConfig | None, fraction_train: float | None,
     return validate_config(data)
 
 
+class _RecordSpec:
+    """The architecture as the initial arrays' layout: ``build()`` gives an object whose
+    ``state_dict()`` maps every record key to a zero array of its shape and dtype, so the
+    engine maps selectors onto the record by name and dtype (no model needed)."""
+
+    def __init__(self, layout: ArrayLayout) -> None:
+        self.layout = layout
+
+    def build(self, seed: int | None = None) -> Any:
+        layout = self.layout
+
+        class _Template:
+            def state_dict(self) -> dict[str, np.ndarray]:
+                return {n: np.zeros(s, dtype=d)
+                        for n, s, d in zip(layout.names, layout.shapes, layout.dtypes,
+                                           strict=True)}
+
+        return _Template()
+
+
+def _wait_for_nodes(grid: Grid, count: int, timeout: float) -> int:
+    """The number of connected nodes once ``count`` are (or ``timeout`` s passed)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    n = len(list(grid.get_node_ids()))
+    while n < count and time.monotonic() < deadline:
+        time.sleep(1.0)
+        n = len(list(grid.get_node_ids()))
+    return n
+
+
 class CLMA(FedAvg):
     """Cohort-based FedAvg with on-device drift quarantine, on the round engine (module
     docstring).
 
     Args:
-        config: the federation's rules (default: :class:`FederationConfig` defaults).
+        config: the federation's rules (default: :class:`FederationConfig` defaults with
+            ``clients`` = the nodes connected at the first round, after waiting for
+            ``min_available_nodes`` -- fed-clma's ``CLMA()``).
         assets: the server's public assets (model architecture, initial model, probe set,
-            region partition; :class:`clma.engine.ServerAssets`). Default: built from
-            ``model_fn``, the ``initial_arrays`` of ``start`` and the config's region
-            partition, with divergence scoring off (it needs a probe set).
-        model_fn: builds the model (``torch.nn.Module``) when ``assets`` is not given.
+            region partition; :class:`clma.engine.ServerAssets`). Default: built from the
+            ``initial_arrays`` of ``start`` (selectors are mapped onto its keys by name and
+            dtype) and the config's region partition, with divergence scoring off (it needs
+            a probe set).
+        model_fn: optional; builds the model (``torch.nn.Module``) to check that its
+            ``state_dict`` keys are the ``initial_arrays``' (ValueError otherwise).
         cohorter: groups quarantined clients (default: the config's ``CLMACohorter``).
         param_selector: which arrays form the cohorting vector (default
             ``DefaultSelector()``); averaging always uses every array.
@@ -95,13 +135,16 @@ class CLMA(FedAvg):
         **fedavg_kwargs: FedAvg's options. ``fraction_train`` is the engine's
             ``training.participation`` (seeded selection); ``min_available_nodes`` /
             ``min_train_nodes``: nodes to wait for before the first round;
-            ``train_metrics_aggr_fn`` aggregates the accepted replies' metrics. The record
+            ``train_metrics_aggr_fn`` aggregates the accepted replies' metrics (the drift
+            flags are dropped from the result: their mean would give the exact count of
+            drifted clients, a count that leaves the server only as a band). The record
             keys are the CLMA ClientApp's (``weighted_by_key="num-examples"``,
             ``arrayrecord_key="arrays"``).
 
     Raises:
         ValueError: ``merge_cohorts_threshold`` outside [0, 2]; ``fraction_train``
-            differing from the config's participation; other record keys.
+            differing from the config's participation; other record keys; at the first
+            round: ``model_fn``'s keys differing from ``initial_arrays``'.
     """
 
     def __init__(self, *, config: FederationConfig | None = None, assets: Any = None,
@@ -116,6 +159,7 @@ class CLMA(FedAvg):
             if k in fedavg_kwargs and fedavg_kwargs[k] != v:
                 raise ValueError(f"{k}: the CLMA ClientApp's wire format uses {v!r}")
         super().__init__(**fedavg_kwargs)
+        self._config_given = config is not None
         self.config = _config_with(config, fedavg_kwargs.get("fraction_train"),
                                    merge_cohorts_threshold)
         self.assets = assets
@@ -172,21 +216,15 @@ class CLMA(FedAvg):
                     self.assets.initial_model, vector):
                 raise ValueError("initial_arrays: differ from assets.initial_model")
             return self.assets
-        if self.model_fn is None:
-            raise ValueError("CLMA: give assets= (model architecture, initial model, probe "
-                             "set) or model_fn= (the model; divergence scoring then off)")
+        if self.model_fn is not None:
+            names = tuple(self.model_fn().state_dict().keys())
+            if names != self.layout.names:
+                raise ValueError("model_fn: its state_dict keys differ from initial_arrays' keys")
         if self.config.divergence.enabled:
             self.config = self.config.model_copy(update={
                 "divergence": self.config.divergence.model_copy(update={"enabled": False})})
 
-        class _Spec:
-            def __init__(self, fn: Callable[[], Any]) -> None:
-                self.fn = fn
-
-            def build(self, seed: int | None = None) -> Any:
-                return self.fn()
-
-        return ServerAssets(model_spec=_Spec(self.model_fn), initial_model=vector,
+        return ServerAssets(model_spec=_RecordSpec(self.layout), initial_model=vector,
                             probe_x=np.zeros((0,), np.float32),
                             partition=load_partition(self.config.data.region_partition),
                             dataset_name="user")
@@ -197,13 +235,16 @@ class CLMA(FedAvg):
         from clma.engine import FederationEngine, open_budget
         from clma.flower.transport import FlowerTransport, check_noise_source
 
+        node_count = max(int(self.min_available_nodes), int(self.min_train_nodes), 1)
+        if not self._config_given:  # fed-clma's CLMA(): the federation is the grid's nodes
+            n = _wait_for_nodes(grid, node_count, self.config.flower.connect_timeout_seconds)
+            self.config = validate_config({**self.config.model_dump(), "clients": max(n, 1)})
         check_noise_source(self.config)
         self.layout = ArrayLayout.of(arrays)
         assets = self._assets(arrays)
         self.transport = FlowerTransport(
             grid, self.config, partition=assets.partition, client_id_of=self.client_id_of,
-            timeout=self.timeout, n_params=assets.n_params,
-            node_count=max(int(self.min_available_nodes), int(self.min_train_nodes), 1))
+            timeout=self.timeout, n_params=assets.n_params, node_count=node_count)
         self.transport.layout = self.layout  # fed-clma-format replies (clma.flower.fedclma)
         if self.budget is None and self.config.budget.enabled:
             self.budget = open_budget(self.config)
@@ -226,6 +267,7 @@ class CLMA(FedAvg):
             self._close_round()  # a round without aggregate_evaluate (e.g. Flower skipped it)
         self._ctx = self.engine.begin_round(server_round)
         self._request = self.engine.train_request(self._ctx)
+        self.transport.train_config = dict(config)  # fed-clma-format messages carry it
         self._sent = self.transport.messages("train", self._request)
         return list(self._sent)
 
@@ -242,6 +284,9 @@ class CLMA(FedAvg):
         ok = [accepted[c] for c in sorted(checked.ok)]
         metrics = (self.train_metrics_aggr_fn([m.content for m in ok], self.weighted_by_key)
                    if ok else MetricRecord())
+        for key in _DRIFT_KEYS:  # their mean times the replies = the exact drifted count
+            if key in metrics:
+                del metrics[key]
         metrics["n-cohorts"] = len(self.engine.state.cohort_models)
         return self._largest_cohort_arrays(), metrics
 

@@ -10,6 +10,9 @@
   answers badly or claims a partition id another node claims too is left out. Clients the
   journal shows were asked in a round not committed yet stay in the roster even when not
   connected now (a resumed round is the same round; they are dropouts of what they miss).
+  A node whose ClientApp has no query handler (a fed-clma ClientApp) gets a client id no
+  node claimed and fed-clma's message format when the strategy set :attr:`layout`
+  (:mod:`clma.flower.fedclma`); otherwise it is left out.
 * every other call is ONE ``grid.send_and_receive`` for all the clients it asks, with
   ``timeout`` seconds for the replies; the secure-aggregation steps carry all the sessions
   of a client in one message (:mod:`clma.flower.codec`), so an evaluation round costs four
@@ -153,6 +156,10 @@ class FlowerTransport:
         #: the strategy's ArrayLayout: fed-clma-format train replies (named arrays, no
         #: header; clma.flower.fedclma) are accepted when it is set
         self.layout: Any = None
+        #: client ids of the nodes that speak fed-clma's format (clma.flower.fedclma), and
+        #: the train config their messages carry (fed-clma's ``start(train_config=...)``)
+        self.fedclma_clients: set[int] = set()
+        self.train_config: Mapping[str, Any] = {}
         self._partition = partition
         self.run_id = self._run_id(grid)
         self.journal = journal if journal is not None else ExchangeJournal(state_dir, self.run_id)
@@ -314,6 +321,7 @@ class FlowerTransport:
             _log.warning("roster: %d of %d SuperNodes connected after %.0f s; starting with "
                          "those", len(nodes), self.node_count, self.connect_timeout)
         claims: dict[int, list[int]] = {}
+        foreign: list[int] = []  # nodes whose ClientApp has no query handler (fed-clma's)
         if self.client_id_of is not None:
             for n in nodes:
                 try:
@@ -329,7 +337,10 @@ class FlowerTransport:
                     for i, n in enumerate(nodes)}
             replies, failed = self._send(msgs)
             for i, why in failed.items():
-                self.roster_failures[nodes[i]] = why
+                if fedclma.is_unregistered_query(why):
+                    foreign.append(nodes[i])
+                else:
+                    self.roster_failures[nodes[i]] = why
             for i, r in replies.items():
                 try:
                     c = codec.decode_roster_reply(r.content, self.config.clients)
@@ -343,6 +354,7 @@ class FlowerTransport:
                     self.roster_failures[n] = "another node claims the same partition id"
             else:
                 self.node_of[c] = ns[0]
+        self._admit_fedclma(foreign, set(claims))
         partition = self._partition
         if partition is None:
             partition = load_partition(self.config.data.region_partition)
@@ -362,6 +374,27 @@ class FlowerTransport:
                        if self.absent else ""))
         return self._roster
 
+    def _admit_fedclma(self, nodes: Sequence[int], claimed: set[int]) -> None:
+        """Give each fed-clma-format node (no query handler) a client id nobody claimed,
+        lowest first, in node-id order; without the strategy's layout they are left out."""
+        free = (c for c in range(self.config.clients) if c not in claimed)
+        for n in sorted(nodes):
+            if self.layout is None:
+                self.roster_failures[n] = ("its ClientApp answers no partition-id query (a "
+                                           "fed-clma ClientApp): only clma.CLMA serves those")
+                continue
+            c = next(free, None)
+            if c is None:
+                self.roster_failures[n] = "no client id left in [0, clients) for this node"
+                continue
+            self.node_of[c] = n
+            self.fedclma_clients.add(c)
+
+    def _train_content(self, request: TrainRequest, c: int) -> Any:
+        if c in self.fedclma_clients:
+            return fedclma.encode_train_request(request, c, self.layout, self.train_config)
+        return codec.encode_train_request(request, c)
+
     def _train_decoder(self, request: TrainRequest) -> Callable[[int, Any], ClientUpdate]:
         def decode(c: int, content: Any) -> ClientUpdate:
             if self.layout is not None and fedclma.is_fedclma_reply(content):
@@ -375,7 +408,7 @@ class FlowerTransport:
 
     def train(self, request: TrainRequest) -> Replies[ClientUpdate]:
         known, unknown = self._split(list(request.assignments))
-        contents = {c: codec.encode_train_request(request, c) for c in known}
+        contents = {c: self._train_content(request, c) for c in known}
         return self._exchange(
             "train", request.round, contents, self._train_decoder(request),
             store=lambda u: (u.params, u.n_samples, u.drift_flag, u.cohort_id),
@@ -388,7 +421,7 @@ class FlowerTransport:
         if call != "train":
             raise ValueError("messages: only 'train' is sent by Flower's strategy loop")
         known, _ = self._split(list(request.assignments))
-        return [self._message(codec.encode_train_request(request, c), c, call, request.round)
+        return [self._message(self._train_content(request, c), c, call, request.round)
                 for c in known]
 
     def collect(self, call: str, request: TrainRequest, sent: Sequence[Message],

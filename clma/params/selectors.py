@@ -6,14 +6,16 @@ list of names that form the flattened vector; order follows the mapping's order.
 
 On a plain mapping a selector cannot ask torch which entries are buffers, so buffers are
 recognised by name and dtype: entries whose last name component is a tracked statistic
-(:data:`TRACKED_BUFFER_SUFFIXES`: BatchNorm ``running_mean``, ``running_var``,
-``num_batches_tracked``) or whose dtype is not floating. :meth:`ParamSelector.select_module`
+(:data:`TRACKED_BUFFER_SUFFIXES`: torch BatchNorm ``running_mean``, ``running_var``,
+``num_batches_tracked``; Keras ``moving_mean``, ``moving_variance``) or whose dtype is not
+floating. :meth:`ParamSelector.select_module`
 uses the module's own registry instead (``named_parameters`` vs buffers), which is exact.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -33,7 +35,10 @@ __all__ = [
     "requires_grad_selector",
 ]
 
-TRACKED_BUFFER_SUFFIXES = frozenset({"running_mean", "running_var", "num_batches_tracked"})
+#: torch BatchNorm's and Keras BatchNormalization's statistics (``bn.running_mean``,
+#: ``0004:moving_mean``: the last component after '.', ':' or '/').
+TRACKED_BUFFER_SUFFIXES = frozenset({"running_mean", "running_var", "num_batches_tracked",
+                                     "moving_mean", "moving_variance"})
 
 
 def is_floating(value: Any) -> bool:
@@ -54,7 +59,7 @@ def layer_of(name: str) -> str:
 
 
 def _is_tracked_buffer(name: str, value: Any) -> bool:
-    return name.rpartition(".")[2] in TRACKED_BUFFER_SUFFIXES or not is_floating(value)
+    return re.split(r"[./:]", name)[-1] in TRACKED_BUFFER_SUFFIXES or not is_floating(value)
 
 
 def _check_named(named: Any) -> Mapping[str, Any]:

@@ -10,6 +10,7 @@ from collections import OrderedDict
 
 import numpy as np
 import pytest
+import torch
 from flwr.app import Array, ArrayRecord
 from flwr.serverapp.strategy import FedAvg
 
@@ -186,8 +187,14 @@ def test_a_user_model_without_assets_runs_with_divergence_off(run_id, world, tmp
     strat = CLMA(config=_ledgered(cfg, tmp_path), model_fn=fed.spec.build, min_available_nodes=6)
     strat.start(grid=_grid(cfg), initial_arrays=_initial(cfg, fed), num_rounds=1)
     assert strat.config.divergence.enabled is False and strat.results[1].participants == 6
-    with pytest.raises(ValueError, match="give assets= .* or model_fn="):
-        CLMA(config=cfg).start(grid=_grid(cfg), initial_arrays=_initial(cfg, fed), num_rounds=1)
+    with pytest.raises(ValueError, match="model_fn: its state_dict keys differ"):
+        CLMA(config=cfg, model_fn=lambda: torch.nn.Linear(2, 2)).start(
+            grid=_grid(cfg), initial_arrays=_initial(cfg, fed), num_rounds=1)
+    # without model_fn (fed-clma's CLMA()): the same round, selectors mapped onto the record
+    plain = CLMA(config=_ledgered(cfg, tmp_path / "plain"), min_available_nodes=6)
+    plain.start(grid=_grid(cfg), initial_arrays=_initial(cfg, fed), num_rounds=1)
+    assert plain.cohort_history == strat.cohort_history
+    np.testing.assert_array_equal(plain.cohort_models[0], strat.cohort_models[0])
 
 
 # ------------------------------------------------------------------ layout
