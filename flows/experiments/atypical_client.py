@@ -221,9 +221,11 @@ def _rank(values: dict[int, float], client: int) -> int:
 
 @dataclass(frozen=True)
 class PersistenceRule:
-    """One persistent-flag rule (:mod:`clma.divergence.flags`): EWMA weight ``lam``, clip
-    ``clip``, bound ``threshold`` on ``|s|`` and, if ``relative``, ``|zs| > z_threshold``
-    on the robust z of ``s`` across the round's clients (the library's rule)."""
+    """One persistent-flag rule on the EWMA ``s`` (lambda ``lam``, clip ``clip``): flagged
+    when ``|s| > threshold`` (if ``absolute``) and ``|zs| > z_threshold`` on the robust z
+    of ``s`` across the round's clients (if ``relative``), from the client's ``warmup``-th
+    round on (0: from its first). The library's rule is absolute and relative, no warm-up
+    (:func:`clma.divergence.persistent_flags`)."""
 
     name: str
     lam: float
@@ -231,13 +233,24 @@ class PersistenceRule:
     threshold: float
     relative: bool = True
     z_threshold: float = 3.0
+    absolute: bool = True
+    warmup: int = 0
 
-    def flags(self, state: dict[int, float], clients: list[int]) -> set[int]:
-        from clma.divergence import persistent_flags
+    def flags(self, state: dict[int, float], clients: list[int],
+              seen: dict[int, int] | None = None) -> set[int]:
+        """The flagged clients among ``clients`` (``seen``: client -> rounds scored)."""
+        from clma.divergence import persistence_z, persistent_flags
 
-        if self.relative:
-            return set(persistent_flags(state, self.threshold, self.z_threshold, clients))
-        return {c for c in clients if abs(state.get(c, 0.0)) > self.threshold}
+        if self.absolute and self.relative:
+            out = set(persistent_flags(state, self.threshold, self.z_threshold, clients))
+        elif self.relative:
+            zs = persistence_z(state, clients)
+            out = {c for c, q in zs.items() if math.isfinite(q) and abs(q) > self.z_threshold}
+        else:
+            out = {c for c in clients if abs(state.get(c, 0.0)) > self.threshold}
+        if self.warmup:
+            out = {c for c in out if (seen or {}).get(c, 0) >= self.warmup}
+        return out
 
 
 def _default_rule() -> PersistenceRule:
@@ -248,10 +261,14 @@ def _default_rule() -> PersistenceRule:
                            d.persistence_threshold, True, d.z_threshold)
 
 
-#: The rules compared on the same z (:func:`persistence_rules`): the library's default, the
-#: former default (issue 20's first rule) and each of the two changes alone.
+#: The rules compared on the same z (:func:`persistence_rules`): the former default (issue
+#: 20's first rule), the same with a warm-up of ``2 / lam - 1`` = 6 rounds (the EWMA's
+#: equivalent window), the relative condition alone, each of the two changes alone, and
+#: the library's default.
 COMPARED_RULES = (
     PersistenceRule("former: clip 5, |s| > 2", 0.3, 5.0, 2.0, relative=False),
+    PersistenceRule("former, warm-up 6 rounds", 0.3, 5.0, 2.0, relative=False, warmup=6),
+    PersistenceRule("clip 5, |zs| > 3 alone", 0.3, 5.0, 2.0, absolute=False),
     PersistenceRule("clip 3, |s| > 2", 0.3, 3.0, 2.0, relative=False),
     PersistenceRule("clip 5, |s| > 2 and |zs| > 3", 0.3, 5.0, 2.0, relative=True),
     PersistenceRule("default: clip 3, |s| > 2 and |zs| > 3", 0.3, 3.0, 2.0, relative=True),
@@ -276,11 +293,14 @@ def persistence_trace(rows: list[dict[str, Any]], rule: PersistenceRule | None =
     out = []
     for by_round in groups.values():
         state: dict[int, float] = {}
+        seen: dict[int, int] = {}
         for t in sorted(by_round):
             mine = by_round[t]
             state = update_persistence(state, {r["client"]: r["z"] for r in mine},
                                        lam=rule.lam, clip=rule.clip)
-            flagged = rule.flags(state, [r["client"] for r in mine])
+            for r in mine:
+                seen[r["client"]] = seen.get(r["client"], 0) + int(math.isfinite(r["z"]))
+            flagged = rule.flags(state, [r["client"] for r in mine], seen)
             for r in mine:
                 r.setdefault("engine_ewma", r["ewma"])
                 r["ewma"] = state[r["client"]]

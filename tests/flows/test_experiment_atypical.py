@@ -115,6 +115,16 @@ def test_persistence_rules_recompute_each_rule_from_z():
         assert g["feds_by_round"] == int(any(0 in f for f in flagged.values()))
         assert g["feds_both"] == int(g["feds_by_round"] == 1 and len(regular) <= 1)
         assert g["cells_ok"] == g["feds_both"]
+    # the warm-up and the relative condition alone, written out
+    more = (PersistenceRule("warm", 0.3, 5.0, 2.0, relative=False, warmup=4),
+            PersistenceRule("rel", 0.3, 5.0, 2.0, absolute=False))
+    rows = {(g["rule"], g["signal"]): g for g in persistence_rules(_trace(ALIKE), 0, more)}
+    _, absolute = _by_hand(ALIKE, 0.3, 5.0, 2.0, False)
+    _, relative = _by_hand(ALIKE, 0.3, 5.0, -1.0, True)  # |s| > -1: the relative part only
+    warm = {c for t, f in absolute.items() if t >= 4 for c in f if c != 0}
+    assert rows[("warm", "parameter")]["regular_flagged"] == len(warm)
+    assert rows[("rel", "parameter")]["regular_flagged"] == len(
+        {c for f in relative.values() for c in f if c != 0})
     # absolute: s = z (1 - 0.7^t) passes 2 by round 6 for the four regulars at z >= 2.35
     # (2.2 (1 - 0.7^6) = 1.94 does not); both: only client 0
     assert got[("absolute", "parameter")]["regular_flagged"] == 4
