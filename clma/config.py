@@ -335,9 +335,10 @@ class DivergenceConfig(_Strict):
     (union) or ``both`` (intersection). Both signals are scored and logged every round
     whatever ``signal`` is. ``flag``: the rule that makes a client "flagged" for each signal
     (``one_sided`` z > ``z_threshold``, ``two_sided`` |z| > ``z_threshold``, or the default
-    ``persistent``: |EWMA of the clipped z| > ``persistence_threshold``, Roberts 1959;
-    a shifted client is consistently atypical across rounds, in either direction; see
-    docs/atypical_client.md for the measurements behind the default).
+    ``persistent``: |EWMA s of the clipped z| > ``persistence_threshold`` and |robust z of
+    s across the round's clients| > ``z_threshold``, Roberts 1959; a shifted client is
+    consistently atypical across rounds, in either direction; see docs/atypical_client.md
+    for the measurements behind the rule and the default).
     """
 
     enabled: bool = True
@@ -349,16 +350,19 @@ class DivergenceConfig(_Strict):
         default="persistent",
         description="Which rule flags a client (clma/divergence/flags.py): 'one_sided' "
         "z > z_threshold; 'two_sided' |z| > z_threshold; 'persistent' |EWMA of the clipped "
-        "z| > persistence_threshold (s_t = lam clip(z_t) + (1 - lam) s_{t-1}, s_0 = 0).",
+        "z| > persistence_threshold and |robust z of that EWMA across the round's clients| > "
+        "z_threshold (s_t = lam clip(z_t) + (1 - lam) s_{t-1}, s_0 = 0).",
     )
     persistence_lambda: Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)] = Field(
         default=0.3, description="EWMA weight of the newest round's z (flag='persistent')."
     )
     persistence_threshold: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] = Field(
-        default=2.0, description="|EWMA| above which a client is persistently atypical."
+        default=2.0, description="|EWMA| above which a client can be persistently atypical "
+        "(with its robust z across clients above z_threshold)."
     )
     persistence_clip: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] = Field(
-        default=5.0, description="|z| is clipped to this before it enters the EWMA."
+        default=3.0, description="|z| is clipped to this before it enters the EWMA (default: "
+        "the default z_threshold, so one round adds at most a just-flagged round's z)."
     )
     downweight_factor: Annotated[float, Field(gt=0.0, lt=1.0)] = Field(
         default=0.5,

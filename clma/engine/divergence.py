@@ -16,8 +16,9 @@ Two signals, computed on the same round from the same updates:
 
 ``divergence.flag`` is the rule that flags a client within each signal
 (:mod:`clma.divergence.flags`): ``one_sided`` (``z > z_threshold``), ``two_sided``
-(``|z| > z_threshold``) or ``persistent`` (the default: ``|s| > persistence_threshold`` with
-``s`` the EWMA of the client's clipped z over the rounds it took part in; the state ``s``
+(``|z| > z_threshold``) or ``persistent`` (the default: ``|s| > persistence_threshold`` and
+the robust z of ``s`` across the round's clients above ``z_threshold``, with ``s`` the EWMA
+of the client's clipped z over the rounds it took part in; the state ``s``
 per signal and client lives in :attr:`ServerState.divergence_persistence` and is updated
 every scored round whatever the flag is). ``divergence.signal`` picks whose flags count
 (:func:`flagged_under`): ``representation`` (default), ``parameter``, ``either`` (union) or

@@ -17,8 +17,12 @@ training, cohorting or divergence scoring, and costs about a second per round).
 
 Every round, every client gets the representation divergence ``D_c`` to its cohort's start
 model on the shared probe set and the parameter baseline (leave-one-out cosine distance of
-its update), each with its robust z and its persistence EWMA ``s`` (defaults of
-``[divergence]``: lambda 0.3, clip 5, threshold 2; :mod:`clma.divergence.flags`).
+its update), each with its robust z. The persistence EWMA ``s`` and the persistent flag are
+recomputed from the z with the library's rule at the ``[divergence]`` defaults (lambda 0.3,
+clip 3, ``|s| > 2`` and robust z of ``s`` across the round's clients ``> 3``;
+:mod:`clma.divergence.flags`, :func:`persistence_trace`): under action ``report`` the z do
+not depend on the flag, so a federation cached under an earlier rule gives what a run under
+this one records.
 
 Per (seed, cell, signal), over rounds ``2..R`` (:func:`summarise_federation`):
 ``mean_z_shifted`` / ``mean_abs_z_shifted`` (the shifted client's robust z), ``mean_rank``
@@ -28,7 +32,7 @@ of z / |z| over the pooled (round, client) pairs, shifted client positive), the 
 clients' z distribution (median, and the 90th percentile of |z| in the first and the second
 half of the scored rounds: ``regular_abs_z_p90_early`` / ``_late``; it stabilises when the
 late value is not larger), rounds flagged under each rule, ``persistent_first_round`` (first
-round with ``|s| > threshold``; rounds from 1), ``persistent_held_from`` (first round from
+round flagged persistently; rounds from 1), ``persistent_held_from`` (first round from
 which it stays flagged to R), and ``regular_persistent_clients`` (regular clients ever
 flagged persistently). Per cell, means over the seeds (:func:`summarise_cells`) and the
 issue's targets (:func:`targets`).
@@ -38,8 +42,10 @@ with the same arguments reuses them), ``atypical_client.{md,csv,json}`` (cells),
 (per seed), ``per_client_z.csv`` (every round, client and signal: **simulation research
 output with client ids**, the ground truth of a simulation; never produced by ``clma run``),
 ``atypical_client_windows.md`` (AUC by z and |z| in rounds 2-10 and 11-R: :func:`window_aucs`),
-``persistence_grid.md`` (the persistent flag re-computed from the same z for other
-lambda and thresholds: :func:`persistence_grid`), and ``figures/z_a<alpha>_<perturbation>.png`` (z per client over rounds, a row per seed, a
+``persistence_rules.md`` (the persistent flag of the former and the current rule, and of
+each change alone, from the same z: :func:`persistence_rules`),
+``persistence_diagnostics.md`` (the regular clients' z against the i.i.d. N(0, 1) model a
+fixed EWMA threshold assumes: :func:`regular_client_diagnostics`), and ``figures/z_a<alpha>_<perturbation>.png`` (z per client over rounds, a row per seed, a
 column per signal; the paper's figure form). MLflow experiment ``--experiment``: one parent
 run (tables, figures, per-cell metrics) and one nested child per cell (its figure, its
 traces), tagged ``clma.artifacts_client_ids = simulation-ground-truth``.
@@ -52,6 +58,7 @@ import csv
 import json
 import math
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -96,7 +103,7 @@ CELL_COLUMNS = [
 
 #: Columns of the per-round, per-client trace file (simulation research output).
 TRACE_COLUMNS = ["seed", "alpha", "perturbation", "round", "client", "shifted", "cohort",
-                 "signal", "score", "z", "ewma"]
+                 "signal", "score", "z", "ewma", "persistent", "engine_ewma"]
 
 
 # ------------------------------------------------------------------------------ arguments
@@ -212,16 +219,107 @@ def _rank(values: dict[int, float], client: int) -> int:
     return 1 + sum(v > values[client] for c, v in values.items() if c != client)
 
 
+@dataclass(frozen=True)
+class PersistenceRule:
+    """One persistent-flag rule on the EWMA ``s`` (lambda ``lam``, clip ``clip``): flagged
+    when ``|s| > threshold`` (if ``absolute``) and ``|zs| > z_threshold`` on the robust z
+    of ``s`` across the round's clients (if ``relative``), from the client's ``warmup``-th
+    round on (0: from its first). The library's rule is absolute and relative, no warm-up
+    (:func:`clma.divergence.persistent_flags`)."""
+
+    name: str
+    lam: float
+    clip: float
+    threshold: float
+    relative: bool = True
+    z_threshold: float = 3.0
+    absolute: bool = True
+    warmup: int = 0
+
+    def flags(self, state: dict[int, float], clients: list[int],
+              seen: dict[int, int] | None = None) -> set[int]:
+        """The flagged clients among ``clients`` (``seen``: client -> rounds scored)."""
+        from clma.divergence import persistence_z, persistent_flags
+
+        if self.absolute and self.relative:
+            out = set(persistent_flags(state, self.threshold, self.z_threshold, clients))
+        elif self.relative:
+            zs = persistence_z(state, clients)
+            out = {c for c, q in zs.items() if math.isfinite(q) and abs(q) > self.z_threshold}
+        else:
+            out = {c for c in clients if abs(state.get(c, 0.0)) > self.threshold}
+        if self.warmup:
+            out = {c for c in out if (seen or {}).get(c, 0) >= self.warmup}
+        return out
+
+
+def _default_rule() -> PersistenceRule:
+    from clma.config import DivergenceConfig
+
+    d = DivergenceConfig()
+    return PersistenceRule("default", d.persistence_lambda, d.persistence_clip,
+                           d.persistence_threshold, True, d.z_threshold)
+
+
+#: The rules compared on the same z (:func:`persistence_rules`): the former default (issue
+#: 20's first rule), the same with a warm-up of ``2 / lam - 1`` = 6 rounds (the EWMA's
+#: equivalent window), the relative condition alone, each of the two changes alone, and
+#: the library's default.
+COMPARED_RULES = (
+    PersistenceRule("former: clip 5, |s| > 2", 0.3, 5.0, 2.0, relative=False),
+    PersistenceRule("former, warm-up 6 rounds", 0.3, 5.0, 2.0, relative=False, warmup=6),
+    PersistenceRule("clip 5, |zs| > 3 alone", 0.3, 5.0, 2.0, absolute=False),
+    PersistenceRule("clip 3, |s| > 2", 0.3, 3.0, 2.0, relative=False),
+    PersistenceRule("clip 5, |s| > 2 and |zs| > 3", 0.3, 5.0, 2.0, relative=True),
+    PersistenceRule("default: clip 3, |s| > 2 and |zs| > 3", 0.3, 3.0, 2.0, relative=True),
+)
+
+
+def persistence_trace(rows: list[dict[str, Any]], rule: PersistenceRule | None = None
+                      ) -> list[dict[str, Any]]:
+    """Trace rows with ``ewma`` (``s`` after the round) and ``persistent`` (flagged under
+    ``rule``, default: the library's defaults) recomputed from their ``z``, per federation
+    and signal (copies; ``rows`` is not changed); the ``ewma`` the run recorded (the
+    engine's state, under the rule of the code that ran it) is kept as ``engine_ewma``. Under action ``report`` the z do not
+    depend on the flag, so this is what a run under ``rule`` records
+    (:func:`clma.divergence.update_persistence`)."""
+    from clma.divergence import update_persistence
+
+    rule = rule or _default_rule()
+    groups: dict[Any, dict[int, list[dict[str, Any]]]] = {}
+    for r in rows:
+        key = (r["seed"], r["alpha"], r["perturbation"], r["signal"])
+        groups.setdefault(key, {}).setdefault(r["round"], []).append(dict(r))
+    out = []
+    for by_round in groups.values():
+        state: dict[int, float] = {}
+        seen: dict[int, int] = {}
+        for t in sorted(by_round):
+            mine = by_round[t]
+            state = update_persistence(state, {r["client"]: r["z"] for r in mine},
+                                       lam=rule.lam, clip=rule.clip)
+            for r in mine:
+                seen[r["client"]] = seen.get(r["client"], 0) + int(math.isfinite(r["z"]))
+            flagged = rule.flags(state, [r["client"] for r in mine], seen)
+            for r in mine:
+                r.setdefault("engine_ewma", r["ewma"])
+                r["ewma"] = state[r["client"]]
+                r["persistent"] = r["client"] in flagged
+                out.append(r)
+    return out
+
+
 def summarise_federation(rows: list[dict[str, Any]], signal: str, shifted: int, *,
-                         z_threshold: float = 3.0, persistence_threshold: float = 2.0,
+                         z_threshold: float = 3.0, rule: PersistenceRule | None = None,
                          first_round: int = 2) -> dict[str, Any]:
     """The statistics of one federation and signal (module docstring; :data:`STAT_COLUMNS`).
 
     ``rows``: trace rows of one federation (:data:`TRACE_COLUMNS`). Rank, top-1, AUC, mean z
-    and rounds flagged are over rounds ``>= first_round``; the persistent flag's first
-    round and held-from round count from round 1 (the EWMA starts there).
+    and rounds flagged are over rounds ``>= first_round``; the persistent flag (under
+    ``rule``, default the library's: :func:`persistence_trace`, from the rows' z) counts
+    from round 1 (the EWMA starts there).
     """
-    mine = [r for r in rows if r["signal"] == signal]
+    mine = persistence_trace([r for r in rows if r["signal"] == signal], rule)
     last = max(r["round"] for r in mine)
     by_round: dict[int, dict[int, dict[str, Any]]] = {}
     for r in mine:
@@ -243,7 +341,7 @@ def summarise_federation(rows: list[dict[str, Any]], signal: str, shifted: int, 
         vals = [abs(v) for zs in block for v in zs]
         return float(np.percentile(vals, 90)) if vals else math.nan
 
-    persistent = {t: {c for c, r in by_round[t].items() if abs(r["ewma"]) > persistence_threshold}
+    persistent = {t: {c for c, r in by_round[t].items() if r["persistent"]}
                   for t in sorted(by_round)}
     shifted_rounds = [t for t in sorted(by_round) if shifted in persistent[t]]
     held = None
@@ -339,61 +437,123 @@ def targets(cells: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-#: Post-hoc sensitivity grid of the persistence flag (:func:`persistence_grid`).
-GRID_LAMBDAS = (0.1, 0.2, 0.3, 0.5)
-GRID_THRESHOLDS = (2.0, 2.5, 3.0)
+def persistence_rules(traces: list[dict[str, Any]], shifted: int,
+                      rules: tuple[PersistenceRule, ...] = COMPARED_RULES,
+                      by_round: int = TARGET_PERSISTENT_BY) -> list[dict[str, Any]]:
+    """Each rule's persistent flag recomputed from the traces' z (:func:`persistence_trace`).
 
-
-def persistence_grid(traces: list[dict[str, Any]], shifted: int,
-                     lambdas: tuple[float, ...] = GRID_LAMBDAS,
-                     thresholds: tuple[float, ...] = GRID_THRESHOLDS,
-                     clip: float = 5.0, by_round: int = TARGET_PERSISTENT_BY
-                     ) -> list[dict[str, Any]]:
-    """The persistent flag re-computed from the traces' z for other (lambda, threshold).
-
-    The federations run with action ``report``, so the z do not depend on the flag's
-    settings and the EWMA of any (lambda, clip) follows from them exactly
-    (:func:`clma.divergence.update_persistence`). One row per (signal, lambda, threshold):
-    over all federations, how many have the shifted client flagged by ``by_round``
-    (``feds_by_round``), how many have at most one regular client ever flagged
-    (``feds_regular_ok``), both (``feds_both``), and the cells (alpha, perturbation) where
-    every seed has both (``cells_ok``)."""
-    from clma.divergence import update_persistence
-
+    One row per (rule, signal): over all federations, how many have the shifted client
+    flagged by ``by_round`` (``feds_by_round``), how many have at most one regular client
+    ever flagged (``feds_regular_ok``), both (``feds_both``), the cells (alpha,
+    perturbation) where every seed has both (``cells_ok``), and the regular clients flagged
+    at least once, summed over the federations (``regular_flagged``)."""
     feds = sorted({(r["seed"], r["alpha"], r["perturbation"]) for r in traces})
     cells = sorted({(a, p) for _, a, p in feds})
     out = []
-    for sig in SIGNALS:
-        per_fed = {f: sorted((r for r in traces if (r["seed"], r["alpha"], r["perturbation"])
-                              == f and r["signal"] == sig), key=lambda r: r["round"])
-                   for f in feds}
-        for lam in lambdas:
-            states: dict[Any, list[tuple[int, dict[int, float]]]] = {}
-            for f, rows in per_fed.items():
-                s: dict[int, float] = {}
-                hist = []
-                for t in sorted({r["round"] for r in rows}):
-                    s = update_persistence(s, {r["client"]: r["z"] for r in rows
-                                               if r["round"] == t}, lam=lam, clip=clip)
-                    hist.append((t, s))
-                states[f] = hist
-            for h in thresholds:
-                ok: dict[Any, tuple[bool, bool]] = {}
-                for f, hist in states.items():
-                    early = any(abs(st.get(shifted, 0.0)) > h for t, st in hist if t <= by_round)
-                    regular = {c for _, st in hist for c, v in st.items()
-                               if c != shifted and abs(v) > h}
-                    ok[f] = (early, len(regular) <= TARGET_MAX_REGULAR_PERSISTENT)
-                out.append({
-                    "signal": sig, "lambda": lam, "threshold": h, "federations": len(feds),
-                    "feds_by_round": sum(a for a, _ in ok.values()),
-                    "feds_regular_ok": sum(b for _, b in ok.values()),
-                    "feds_both": sum(a and b for a, b in ok.values()),
-                    "cells_ok": sum(all(all(ok[f]) for f in feds if (f[1], f[2]) == c)
-                                    for c in cells),
-                    "cells": len(cells),
-                })
+    for rule in rules:
+        flagged = persistence_trace(traces, rule)
+        for sig in SIGNALS:
+            ok: dict[Any, tuple[bool, bool]] = {}
+            n_regular = 0
+            for f in feds:
+                mine = [r for r in flagged if r["persistent"] and r["signal"] == sig
+                        and (r["seed"], r["alpha"], r["perturbation"]) == f]
+                early = any(r["client"] == shifted and r["round"] <= by_round for r in mine)
+                regular = {r["client"] for r in mine if r["client"] != shifted}
+                n_regular += len(regular)
+                ok[f] = (early, len(regular) <= TARGET_MAX_REGULAR_PERSISTENT)
+            out.append({
+                "rule": rule.name, "signal": sig, "federations": len(feds),
+                "feds_by_round": sum(a for a, _ in ok.values()),
+                "feds_regular_ok": sum(b for _, b in ok.values()),
+                "feds_both": sum(a and b for a, b in ok.values()),
+                "cells_ok": sum(all(all(ok[f]) for f in feds if (f[1], f[2]) == c)
+                                for c in cells),
+                "cells": len(cells), "regular_flagged": n_regular,
+            })
     return out
+
+
+RULE_COLUMNS = ["rule", "signal", "federations", "feds_by_round", "feds_regular_ok",
+                "feds_both", "cells_ok", "cells", "regular_flagged"]
+
+
+def regular_client_diagnostics(traces: list[dict[str, Any]], shifted: int, *,
+                               lam: float = 0.3, clip: float = 5.0, split: int = 10
+                               ) -> list[dict[str, Any]]:
+    """Why regular clients' EWMA crosses a fixed threshold: their z against the i.i.d.
+    N(0, 1) model the fixed threshold assumes. One row per signal, pooled over
+    federations, regular clients only, rounds ``2..R`` unless stated:
+
+    * ``p_abs_z_gt3`` / ``p_abs_z_gt5``: fraction of (round, client) pairs with ``|z|`` above
+      3 / 5 (N(0, 1): 0.0027 / 5.7e-7); ``kurtosis``: excess kurtosis of z (N: 0);
+      ``sd_clipped_z``: standard deviation of ``clip(z, -clip, clip)`` (N: about 1);
+    * ``..._early`` (rounds ``2..split``) / ``..._late`` (``split+1..R``) of ``p_abs_z_gt3``;
+    * ``sd_client_mean_z``: standard deviation of each client's mean z over its rounds,
+      against ``sd_client_mean_iid`` = ``sd_clipped_z / sqrt(rounds)``, its value if a
+      client's rounds were independent draws around a common level (a larger value: each
+      client keeps a level of its own);
+    * ``lag1_autocorr``: mean over clients of the lag-1 autocorrelation of a client's
+      clipped z around its own mean (short memory beyond its level);
+    * ``sd_ewma_late``: standard deviation of the EWMA ``s`` (``lam``, ``clip``) in rounds
+      ``split..R``, against ``sd_ewma_iid_normal`` = ``sqrt(lam / (2 - lam))`` (Lucas &
+      Saccucci 1990); ``p_abs_ewma_gt2``: fraction of those ``|s| > 2``.
+    """
+    from scipy import stats
+
+    from clma.divergence import update_persistence
+
+    out = []
+    feds = sorted({(r["seed"], r["alpha"], r["perturbation"]) for r in traces})
+    for sig in SIGNALS:
+        series: list[np.ndarray] = []
+        ewma_late: list[float] = []
+        for f in feds:
+            rows = [r for r in traces if r["signal"] == sig
+                    and (r["seed"], r["alpha"], r["perturbation"]) == f]
+            rounds = sorted({r["round"] for r in rows})
+            zmap = {(r["round"], r["client"]): r["z"] for r in rows}
+            state: dict[int, float] = {}
+            for t in rounds:
+                state = update_persistence(state, {c: v for (tt, c), v in zmap.items()
+                                                   if tt == t}, lam=lam, clip=clip)
+                if t >= split:
+                    ewma_late += [v for c, v in state.items() if c != shifted]
+            for c in sorted({r["client"] for r in rows} - {shifted}):
+                series.append(np.array([zmap[(t, c)] for t in rounds
+                                        if t >= 2 and (t, c) in zmap]))
+        if not series:
+            continue
+        z = np.concatenate(series)
+        zc = np.clip(z, -clip, clip)
+        early = np.concatenate([x[: split - 1] for x in series])
+        late = np.concatenate([x[split - 1:] for x in series])
+        acf = [np.corrcoef(np.clip(x[:-1], -clip, clip), np.clip(x[1:], -clip, clip))[0, 1]
+               for x in series if len(x) > 2]
+        sd_c = float(np.std(zc))
+        n_rounds = float(np.mean([len(x) for x in series]))
+        out.append({
+            "signal": sig, "pairs": int(z.size),
+            "p_abs_z_gt3": float(np.mean(np.abs(z) > 3)),
+            "p_abs_z_gt3_early": float(np.mean(np.abs(early) > 3)),
+            "p_abs_z_gt3_late": float(np.mean(np.abs(late) > 3)),
+            "p_abs_z_gt5": float(np.mean(np.abs(z) > 5)),
+            "kurtosis": float(stats.kurtosis(z)), "sd_clipped_z": sd_c,
+            "sd_client_mean_z": float(np.std([np.mean(np.clip(x, -clip, clip))
+                                              for x in series])),
+            "sd_client_mean_iid": sd_c / math.sqrt(n_rounds),
+            "lag1_autocorr": float(np.nanmean(acf)) if acf else math.nan,
+            "sd_ewma_late": float(np.std(ewma_late)) if ewma_late else math.nan,
+            "sd_ewma_iid_normal": math.sqrt(lam / (2 - lam)),
+            "p_abs_ewma_gt2": float(np.mean(np.abs(ewma_late) > 2)) if ewma_late else math.nan,
+        })
+    return out
+
+
+DIAGNOSTIC_COLUMNS = ["signal", "pairs", "p_abs_z_gt3", "p_abs_z_gt3_early",
+                      "p_abs_z_gt3_late", "p_abs_z_gt5", "kurtosis", "sd_clipped_z",
+                      "sd_client_mean_z", "sd_client_mean_iid", "lag1_autocorr",
+                      "sd_ewma_late", "sd_ewma_iid_normal", "p_abs_ewma_gt2"]
 
 
 def window_aucs(traces: list[dict[str, Any]], shifted: int, split: int = 10
@@ -418,10 +578,6 @@ def window_aucs(traces: list[dict[str, Any]], shifted: int, split: int = 10
 
 WINDOW_COLUMNS = ["alpha", "perturbation", "signal", "auc_early", "auc_abs_early",
                   "auc_late", "auc_abs_late"]
-
-
-GRID_COLUMNS = ["signal", "lambda", "threshold", "federations", "feds_by_round",
-                "feds_regular_ok", "feds_both", "cells_ok", "cells"]
 
 
 # ------------------------------------------------------------------------------ outputs
@@ -617,7 +773,9 @@ def run(args: argparse.Namespace) -> int:
         status = "FAILED"
         children: dict[str, str] = {}
         try:
-            traces = run_all()
+            # the persistence columns under the library's rule, from z (cached federations
+            # recorded under an earlier rule give the same z: action report)
+            traces = persistence_trace(run_all())
             seed_rows = seed_rows_from_traces(traces, shifted)
             cells = summarise_cells(seed_rows)
             verdict = targets(cells)
@@ -627,8 +785,11 @@ def run(args: argparse.Namespace) -> int:
             _write_csv(out / "atypical_client.csv", cells, CELL_COLUMNS)
             _write_csv(out / "atypical_client_seeds.csv", seed_rows, SEED_COLUMNS)
             _write_csv(out / "per_client_z.csv", traces, TRACE_COLUMNS)
-            grid = persistence_grid(traces, shifted)
-            (out / "persistence_grid.md").write_text(to_markdown(grid, GRID_COLUMNS))
+            grid = persistence_rules(traces, shifted)
+            (out / "persistence_rules.md").write_text(to_markdown(grid, RULE_COLUMNS))
+            diag = regular_client_diagnostics(traces, shifted)
+            (out / "persistence_diagnostics.md").write_text(
+                to_markdown(diag, DIAGNOSTIC_COLUMNS))
             windows = window_aucs(traces, shifted)
             (out / "atypical_client_windows.md").write_text(to_markdown(windows,
                                                                         WINDOW_COLUMNS))
@@ -639,14 +800,16 @@ def run(args: argparse.Namespace) -> int:
                 "shifted_client": shifted, "probe_size": args.probe_size,
                 "magnitudes": _magnitudes(args), "rounds_scored": f"2..{args.rounds}",
                 "z_rule": "robust z (median, 1.4826 MAD) across the round's clients",
-                "persistence": "EWMA lambda 0.3 of z clipped at 5, flag |s| > 2",
+                "persistence": "EWMA lambda 0.3 of z clipped at 3; flag |s| > 2 and |robust "
+                               "z of s across the round's clients| > 3",
                 "parameter_baseline": "cosine distance to the leave-one-out mean update",
                 "note": "per_client_z.csv and the figures are simulation research output "
                         "(client ids are simulation ground truth)",
                 "targets": verdict,
                 "cells": [{k: _json_safe(v) for k, v in r.items()} for r in cells],
                 "per_seed": [{k: _json_safe(v) for k, v in r.items()} for r in seed_rows],
-                "persistence_grid": grid,
+                "persistence_rules": grid,
+                "regular_client_diagnostics": diag,
                 "windows": windows,
             }
             (out / "atypical_client.json").write_text(json.dumps(meta, indent=2) + "\n")
@@ -682,7 +845,8 @@ def run(args: argparse.Namespace) -> int:
                     child.finish("FINISHED")
                     children[f"{alpha:g}/{pert}"] = child.run_id or ""
             for p in ("atypical_client.md", "atypical_client.csv", "atypical_client.json",
-                      "atypical_client_seeds.csv", "per_client_z.csv", "persistence_grid.md",
+                      "atypical_client_seeds.csv", "per_client_z.csv", "persistence_rules.md",
+                      "persistence_diagnostics.md",
                       "atypical_client_windows.md"):
                 parent.log_artifact(str(out / p))
             parent.log_artifact(str(out / "figures"))

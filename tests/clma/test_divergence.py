@@ -555,8 +555,8 @@ def test_ewma_step_is_the_literal_recursion():
         ewma_step(float("nan"), 1.0)
 
 
-def test_persistence_over_rounds_and_its_threshold():
-    from clma.divergence import flag_clients, persistent_flags, update_persistence
+def test_persistence_ewma_over_rounds_is_the_literal_recursion():
+    from clma.divergence import update_persistence
 
     lam, clip = 0.3, 5.0
     traces = {0: [3.0, 3.0, 3.0, 3.0], 1: [20.0, 0.0, 0.0, 0.0], 2: [-3.0] * 4,
@@ -569,21 +569,89 @@ def test_persistence_over_rounds_and_its_threshold():
         for c in traces:
             by_hand[c] = lam * max(-clip, min(clip, traces[c][t])) + (1 - lam) * by_hand[c]
         assert state == pytest.approx(by_hand)
-    # constant z = 3: s_4 = 3 (1 - 0.7^4) = 2.2797; one spike of 20 clipped: 1.5 * 0.7^3
+    # constant z = 3: s_4 = 3 (1 - 0.7^4) = 2.2797; one spike of 20 clipped: 5 * 0.3 * 0.7^3
     assert state[0] == pytest.approx(3 * (1 - 0.7 ** 4))
     assert state[1] == pytest.approx(1.5 * 0.7 ** 3)
     assert state[2] == pytest.approx(-state[0])
-    s0 = state[0]
-    assert persistent_flags(state, 2.0) == [0, 2]  # above, two-sided
-    assert persistent_flags(state, s0) == []  # at the threshold: not flagged (strict)
-    assert persistent_flags(state, s0 - 1e-9) == [0, 2]  # just below
-    assert persistent_flags(state, 2.0, clients=[0, 1]) == [0]
-    assert flag_clients("persistent", {0: 0.0, 1: 0.0}, state, z_threshold=3.0,
-                        persistence_threshold=2.0) == [0]
-    # one round's spike alone never raises the flag at the defaults (lam * clip = 1.5 < 2)
-    assert persistent_flags(update_persistence({}, {9: 1e6}), 2.0) == []
+    # the default clip is 3: a spike of 1e6 adds 0.3 * 3
+    assert update_persistence({}, {9: 1e6}) == {9: pytest.approx(0.9)}
     # absent clients and NaN z keep their state; new clients start at 0
     nxt = update_persistence(state, {0: float("nan"), 5: 1.0}, lam=lam, clip=clip)
     assert nxt[0] == state[0] and nxt[5] == pytest.approx(0.3) and nxt[3] == state[3]
+
+
+def test_persistence_z_is_the_robust_z_of_the_ewma_across_clients():
+    from scipy import stats
+
+    from clma.divergence import persistence_z
+
+    state = {0: 2.6, 1: 0.3, 2: -0.2, 3: 0.1, 4: -0.4, 5: 0.0, 9: 7.0}
+    clients = [0, 1, 2, 3, 4, 5]  # client 9 is not in this round
+    s = np.array([state[c] for c in clients])
+    want = (s - np.median(s)) / stats.median_abs_deviation(s, scale="normal")
+    got = persistence_z(state, clients)
+    assert list(got) == clients
+    assert [got[c] for c in clients] == pytest.approx(list(want), abs=1e-12)
+    # a round's client without state counts as s = 0; with fewer than 3 clients: NaN
+    assert persistence_z(state, [0, 1, 42])[42] == pytest.approx(
+        (0.0 - 0.3) / stats.median_abs_deviation([2.6, 0.3, 0.0], scale="normal"))
+    assert all(math.isnan(v) for v in persistence_z(state, [0, 1]).values())
+
+
+def test_persistent_flag_needs_both_thresholds_at_below_and_above():
+    from clma.divergence import flag_clients, persistence_z, persistent_flags
+
+    state = {0: 2.6, 1: 0.3, 2: -0.2, 3: 0.1, 4: -0.4, 5: 0.0, 6: -2.9}
+    zs = persistence_z(state)
+    s0, z0 = state[0], zs[0]
+    assert s0 > 2.0 and z0 > 3.0  # client 0: above both defaults
+    assert zs[6] < -3.0 and state[6] < -2.0  # client 6: below both, two-sided
+    assert persistent_flags(state, 2.0, 3.0) == [0, 6]
+    # at either threshold: not flagged (strict); just below it: flagged
+    assert 0 not in persistent_flags(state, s0, 3.0)
+    assert 0 in persistent_flags(state, s0 - 1e-9, 3.0)
+    assert 0 not in persistent_flags(state, 2.0, z0)
+    assert 0 in persistent_flags(state, 2.0, z0 - 1e-9)
+    # only the round's clients are standardised and flagged
+    assert persistent_flags(state, 2.0, 3.0, clients=[0, 1, 2, 3, 4, 5]) == [0]
+    assert flag_clients("persistent", dict.fromkeys(range(6), 0.0), state, z_threshold=3.0,
+                        persistence_threshold=2.0) == [0]
+    # every s shifted by 10: client 0 is still the only one standing out
+    shifted_all = {c: v + 10.0 for c, v in state.items() if c != 6}
+    assert persistent_flags(shifted_all, 2.0, 3.0) == [0]
+    # large |s| alike everywhere: nobody stands out, nobody is flagged (relative condition)
+    alike = {c: 3.0 + 0.1 * c for c in range(6)}
+    assert persistent_flags(alike, 2.0, 3.0) == []
+    # an outlier among tiny s, below the absolute threshold: not flagged
+    tiny = {c: v / 10 for c, v in state.items()}
+    assert abs(persistence_z(tiny)[0] - z0) < 1e-9 and persistent_flags(tiny, 2.0, 3.0) == []
+    # fewer than 3 clients: no robust z, nobody flagged
+    assert persistent_flags({0: 9.0, 1: 0.0}, 2.0, 3.0) == []
+    for bad in ({"persistence_threshold": 0.0}, {"z_threshold": -1.0}):
+        kw = {"persistence_threshold": 2.0, "z_threshold": 3.0, **bad}
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            persistent_flags(state, **kw)
     with pytest.raises(ValueError, match="divergence.flag"):
         flag_clients("both", {}, {}, z_threshold=3.0, persistence_threshold=2.0)
+
+
+def test_persistent_flag_at_the_defaults_needs_four_rounds_at_the_clip():
+    """lam 0.3, clip 3, |s| > 2: from s = 0, three rounds at |z| >= 3 give 3 (1 - 0.7^3) =
+    1.971 (not flagged), four give 2.280 (flagged, the others' s staying near 0)."""
+    from clma.config import DivergenceConfig
+    from clma.divergence import flag_clients, update_persistence
+
+    cfg = DivergenceConfig()
+    assert (cfg.persistence_lambda, cfg.persistence_clip, cfg.persistence_threshold,
+            cfg.z_threshold) == (0.3, 3.0, 2.0, 3.0)
+    others = [0.4, -0.3, 0.2, -0.1, 0.0, 0.3, -0.2, 0.1, -0.4]
+    state: dict[int, float] = {}
+    flagged = []
+    for t in range(5):
+        z = {0: 50.0, **{c + 1: v * (-1) ** t for c, v in enumerate(others)}}
+        state = update_persistence(state, z, lam=cfg.persistence_lambda,
+                                   clip=cfg.persistence_clip)
+        flagged.append(flag_clients("persistent", z, state, z_threshold=cfg.z_threshold,
+                                    persistence_threshold=cfg.persistence_threshold))
+        assert state[0] == pytest.approx(3.0 * (1 - 0.7 ** (t + 1)))
+    assert flagged == [[], [], [], [0], [0]]

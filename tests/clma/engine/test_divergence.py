@@ -271,7 +271,10 @@ def test_two_sided_flag_catches_a_client_far_below_the_others(scored):
 
 def test_persistence_state_is_the_ewma_of_the_clipped_z(scored):
     """s_t = lam clip(z_t) + (1 - lam) s_{t-1} per signal and client, from the state passed
-    in; the flag is |s_t| > persistence_threshold; the state is not mutated."""
+    in; the flag is |s_t| > persistence_threshold and |robust z of s_t over the round's
+    clients| > z_threshold; the state is not mutated."""
+    from scipy import stats
+
     fed, updates, start, _ = scored
     cfg = _config(flag="persistent", persistence_lambda=0.4, persistence_threshold=1.0,
                   persistence_clip=2.5).divergence
@@ -285,8 +288,11 @@ def test_persistence_state_is_the_ewma_of_the_clipped_z(scored):
             prev = before[sig].get(c, 0.0)
             want = 0.4 * min(max(z, -2.5), 2.5) + 0.6 * prev
             assert out.persistence[sig][c] == pytest.approx(want, abs=1e-12)
-        assert out.flag_sets[sig] == sorted(
-            c for c in rep.z if abs(out.persistence[sig][c]) > 1.0)
+        ids = sorted(rep.z)
+        sv = np.array([out.persistence[sig][c] for c in ids])
+        zs = (sv - np.median(sv)) / stats.median_abs_deviation(sv, scale="normal")
+        assert out.flag_sets[sig] == [c for c, v, q in zip(ids, sv, zs, strict=True)
+                                      if abs(v) > 1.0 and abs(q) > 3.0]
     assert out.flagged == out.flag_sets["representation"]
 
 
