@@ -14,8 +14,12 @@ metric. One evaluation round, as data (what the server sees in brackets)::
              fewer than the floor -> not unmasked; fewer than t -> aborted
     global   the sum over all groups, by post-processing the group sums (no session of
              its own)
-    noise    Laplace once on each released sum (clma.release.aggregate_sum /
-             aggregate_vector_sum), never per client                  [noisy sums]
+    noise    central (default): Laplace once on each released sum
+             (clma.release.aggregate_sum / aggregate_vector_sum), never per client;
+             distributed (evaluation.noise): the devices' discrete Gaussian shares are
+             already in the accuracy and mean-loss sums, which the server decodes and
+             publishes as they are (clma.engine.distributed, clma.privacy.distributed;
+             the global value is their sum)                          [noisy sums]
     publish  value clamped to the clip range, error bar from the participant band's
              lower edge, band instead of the count, one closed envelope per release
              (clma.release.build_federated_metric_envelope), suppressed-region count

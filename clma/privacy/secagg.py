@@ -41,7 +41,10 @@ Each coordinate j is clipped to ``[lower_j, upper_j]`` and mapped to an integer
 ``Q = quantisation_levels`` (default ``2^16 - 1``).  Arithmetic is modulo
 ``2^k`` (``modulus_bits = k``, default 32, words held in uint64).  The sum of
 n clients is exact (no wrap-around) iff ``n * Q < 2^k``; this is checked when
-the round is configured (default: up to 65,537 clients).  Rounding error on the
+the round is configured (default: up to 65,537 clients).  With distributed DP
+(``SecAggConfig.noise``) an input is ``q`` plus the client's noise share, any ring
+element; the ring is then sized so that the noisy sum wraps with probability at most
+``2^-statistical_security`` (:mod:`clma.privacy.distributed`), checked here too.  Rounding error on the
 de-quantised sum is at most ``n * (upper - lower) / (2 Q)`` per coordinate.
 
 Neighbour graph and its seed
