@@ -107,7 +107,10 @@ def group_noise(n: int, *, epsilon: float, delta: float, dropout_fraction: float
         return None
     sigma, rho = _sigma(float(epsilon), float(delta), honest, int(levels))
     d = len(coordinates)
-    k = ring_bits(n, levels, sigma, d, security=security)
+    try:
+        k = ring_bits(n, levels, sigma, d, security=security)
+    except ValueError:  # no ring up to 2^62 holds it: no safe parameters
+        return None
     return GroupNoise(sigma=sigma, rho=rho, honest_floor=honest,
                       min_survivors=survivors_required(n, dropout_fraction, floor),
                       dropout_fraction=capped_dropout(n, dropout_fraction, floor),
