@@ -322,6 +322,32 @@ class EvaluationConfig(_Strict):
         description="Re-derive the loss clip bound from the published global error "
         "histogram every k evaluations (0 = never).",
     )
+    noise: Literal["central", "distributed"] = Field(
+        default="central",
+        description="central (default): the server adds Laplace noise once to each "
+        "secure sum. distributed: every device adds a discrete Gaussian share to its "
+        "quantised accuracy and mean-loss coordinates before masking, sized so that the "
+        "sum over the fewest honest survivors a group can unmask is (epsilon, delta)-DP; "
+        "the server publishes the noisy sum as is (clma.privacy.distributed).",
+    )
+    delta: Annotated[float, Field(gt=0.0, le=1e-3)] = Field(
+        default=1e-6,
+        description="Distributed mode: the delta each regional release is calibrated for "
+        "(with epsilon), before the ring's wrap-around bound is added to it.",
+    )
+
+    @model_validator(mode="after")
+    def _distributed_rules(self) -> EvaluationConfig:
+        if self.noise == "distributed":
+            if self.noise_seeded:
+                raise ValueError("evaluation.noise_seeded: distributed noise is drawn on the "
+                                 "devices from OpenDP and cannot be seeded; set "
+                                 "noise_seeded = false with noise = \"distributed\"")
+            if self.bounds_every:
+                raise ValueError("evaluation.bounds_every: the error-histogram release is not "
+                                 "available with noise = \"distributed\" (only accuracy and "
+                                 "mean loss are noised on the devices); set bounds_every = 0")
+        return self
 
 
 class DivergenceConfig(_Strict):

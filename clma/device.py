@@ -13,7 +13,10 @@ once:
   clipped to the announced layout and quantised to integers in ``[0, Q]``;
 * :class:`DeviceSecAgg` — the device's secure-aggregation state of one round (one
   :class:`clma.privacy.secagg.SecAggClient` per session; its secrets never leave it),
-  answering each protocol step, and unmasking at most once per session. It serialises to
+  answering each protocol step, and unmasking at most once per session. In distributed
+  DP mode (the session config carries a :class:`clma.privacy.distributed.DistributedNoise`)
+  it adds the device's discrete Gaussian share to the report before masking
+  (:func:`clma.privacy.distributed.noisy_words`, OpenDP's sampler). It serialises to
   plain data (:meth:`DeviceSecAgg.to_dict`) for transports whose device process does not
   live between steps (a Flower ClientApp).
 
@@ -33,6 +36,7 @@ import numpy as np
 
 from clma.drift import LossThresholdDetector, RoundKeyedState
 from clma.engine.clients import ReportRequest, SecAggSession, ShareKeysRequest, TrainSettings
+from clma.privacy.distributed import noisy_words
 from clma.privacy.secagg import (
     AdvertiseKeys,
     EncryptedShare,
@@ -152,7 +156,12 @@ class DeviceSecAgg:
                 continue
             c = SecAggClient(self.client_id, sess.config)
             self.sessions[sid] = c
-            self.inputs[sid] = np.asarray(quantised, dtype=np.uint64)
+            q = np.asarray(quantised, dtype=np.uint64)
+            noise = sess.config.noise
+            # distributed DP: the noise share is drawn here, on the device, once per
+            # session, and only the noisy ring words are kept (and masked)
+            self.inputs[sid] = (q if noise is None
+                                else noisy_words(q, noise, sess.config.modulus_bits))
             out[sid] = c.advertise()
         return out
 

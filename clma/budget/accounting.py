@@ -24,6 +24,8 @@ against the *replace-one* sensitivity of what it releases:
   (``math.fsum``, correctly rounded), delta 0; under replace-one the Laplace event with
   ``epsilon = sensitivity / scale`` is the same pure-DP event, and dp-accounting's PLD
   reports ``inf`` at delta = 0, so it cannot account these lines. Method ``exact_sum``.
+- a ``zcdp`` event (the distributed discrete Gaussian's charge, ``ZCDpEvent(rho)``: RDP
+  ``rho * alpha``), which the PLD accountant does not take: the ``RdpAccountant`` below.
 - any event sampled without replacement: dp-accounting's ``RdpAccountant`` under
   ``REPLACE_ONE`` (Mironov 2017; the only dp-accounting 0.6 accountant that supports
   ``SampledWithoutReplacementDpEvent``: its PLD accountant raises on it). Laplace and
@@ -109,8 +111,9 @@ class MechanismEvent(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
-    mechanism: Literal["laplace", "gaussian"]
+    mechanism: Literal["laplace", "gaussian", "zcdp"]
     epsilon: Annotated[float, Field(gt=0.0, le=1e6)] | None = None
+    rho: Annotated[float, Field(gt=0.0, le=1e6)] | None = None
     noise_multiplier: Annotated[float, Field(gt=0.0, le=1e6)] | None = None
     sampling_probability: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     population_size: Annotated[int, Field(ge=1, le=_MAX_CLIENTS)] | None = None
@@ -119,6 +122,15 @@ class MechanismEvent(BaseModel):
     @model_validator(mode="after")
     def _parameters_match(self) -> MechanismEvent:
         sampled = self.population_size is not None or self.sample_size is not None
+        if self.mechanism == "zcdp":
+            if (self.rho is None or self.epsilon is not None
+                    or self.noise_multiplier is not None):
+                raise ValueError("a zcdp event takes rho and no epsilon / noise_multiplier")
+            if self.sampling_probability != 1.0 or sampled:
+                raise ValueError("a zcdp event is not subsampled")
+            return self
+        if self.rho is not None:
+            raise ValueError("rho: only a zcdp event takes rho")
         if self.mechanism == "laplace":
             if self.epsilon is None or self.noise_multiplier is not None:
                 raise ValueError("a laplace event takes epsilon and no noise_multiplier")
@@ -143,6 +155,13 @@ class MechanismEvent(BaseModel):
         """Laplace release with ``epsilon = sensitivity / scale`` (pure DP; replace-one L1
         sensitivity)."""
         return cls(mechanism="laplace", epsilon=float(epsilon))
+
+    @classmethod
+    def zcdp(cls, rho: float) -> MechanismEvent:
+        """A rho-zCDP release (RDP ``rho * alpha`` at every order alpha > 1, Bun & Steinke
+        2016): the distributed discrete Gaussian's charge
+        (:mod:`clma.privacy.distributed`); dp-accounting's ``ZCDpEvent(rho)``."""
+        return cls(mechanism="zcdp", rho=float(rho))
 
     @classmethod
     def gaussian(cls, noise_multiplier: float, sampling_probability: float = 1.0) -> MechanismEvent:
@@ -208,6 +227,8 @@ class MechanismEvent(BaseModel):
         """The JSON form stored in the ledger (the sampling sizes only when set, so an
         unsampled event is stored exactly as ledgers before sampled events stored it)."""
         exclude = set() if self.population_size is not None else {"population_size", "sample_size"}
+        if self.rho is None:
+            exclude.add("rho")
         return self.model_dump(mode="json", exclude=exclude)
 
     def to_dp_event(self) -> dp_accounting.DpEvent:
@@ -215,6 +236,8 @@ class MechanismEvent(BaseModel):
         if self.mechanism == "laplace":
             assert self.epsilon is not None
             return dp_accounting.LaplaceDpEvent(1.0 / self.epsilon)
+        if self.mechanism == "zcdp":
+            return dp_accounting.ZCDpEvent(float(self.rho))  # type: ignore[arg-type]
         event: dp_accounting.DpEvent = dp_accounting.GaussianDpEvent(self.noise_multiplier)
         if self.population_size is not None:
             return dp_accounting.SampledWithoutReplacementDpEvent(
@@ -282,7 +305,7 @@ def compose(
         raise AccountingError("delta: a line with Gaussian events needs 0 < delta < 1")
     counts = Counter(events)
     key = tuple(sorted(((ev.model_dump_json(), n) for ev, n in counts.items())))
-    if any(ev.sampling == "without_replacement" for ev in events):
+    if any(ev.sampling == "without_replacement" or ev.mechanism == "zcdp" for ev in events):
         eps = _rdp_cached(key, float(delta))
         if not math.isfinite(eps):
             raise AccountingError("composition: the RDP epsilon is not finite")

@@ -286,6 +286,8 @@ class MechanismVersions(_Closed):
     threshold_only: Annotated[str, Field(pattern=_MECHANISM_VERSION_PATTERN)]
     laplace: Annotated[str, Field(pattern=_MECHANISM_VERSION_PATTERN)]
     gaussian: Annotated[str, Field(pattern=_MECHANISM_VERSION_PATTERN)]
+    distributed_discrete_gaussian: Annotated[
+        str, Field(pattern=_MECHANISM_VERSION_PATTERN)] = "v1"
 
 
 class AccountingRules(_Closed):

@@ -72,6 +72,7 @@ from clma.engine.evaluation import (
     EvaluationRound,
     PrivateEvaluator,
 )
+from clma.privacy.distributed import rho_for_epsilon
 from clma.rounds import (
     ClientUpdate,
     dp_aggregate_per_cohort,
@@ -239,10 +240,11 @@ class ChargePlan(BaseModel):
     name: Annotated[str, Field(min_length=1, max_length=200)]
     metric: Annotated[str, Field(min_length=1, max_length=100)]
     scope: Literal["global", "regional"]
-    mechanism: Literal["laplace", "gaussian"] = "laplace"
+    mechanism: Literal["laplace", "gaussian", "zcdp"] = "laplace"
     epsilon: Annotated[float, Field(gt=0.0, le=1e6)] | None = None
     delta: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.0
     noise_multiplier: Annotated[float, Field(gt=0.0, le=1e6)] | None = None
+    rho: Annotated[float, Field(gt=0.0, le=1e6)] | None = None
 
     @model_validator(mode="after")
     def _parameters(self) -> ChargePlan:
@@ -250,6 +252,8 @@ class ChargePlan(BaseModel):
             raise ValueError("a laplace release needs epsilon")
         if self.mechanism == "gaussian" and self.noise_multiplier is None:
             raise ValueError("a gaussian release needs noise_multiplier")
+        if self.mechanism == "zcdp" and self.rho is None:
+            raise ValueError("a zcdp release needs rho")
         return self
 
     @property
@@ -259,6 +263,8 @@ class ChargePlan(BaseModel):
     def event(self) -> MechanismEvent:
         if self.mechanism == "laplace":
             return MechanismEvent.laplace(float(self.epsilon))  # type: ignore[arg-type]
+        if self.mechanism == "zcdp":
+            return MechanismEvent.zcdp(float(self.rho))  # type: ignore[arg-type]
         return MechanismEvent.gaussian(float(self.noise_multiplier))  # type: ignore[arg-type]
 
 
@@ -271,6 +277,16 @@ def charge_plans(evaluator: PrivateEvaluator) -> list[ChargePlan]:
     out = []
     for scope, eps in (("global", eps_g), ("regional", ev.epsilon)):
         for name in (*SCALAR_METRICS, HEALTH_METRIC):
+            if evaluator.distributed and name in SCALAR_METRICS:
+                # distributed DP: the regional releases are the devices' noise, charged as
+                # rho-zCDP (clma.privacy.distributed); the global one is their sum
+                # (post-processing, published with the regional entry, charged nothing)
+                if scope == "regional":
+                    out.append(ChargePlan(
+                        name=f"{scope}.{name}", metric=f"{scope}.{name}", scope=scope,
+                        mechanism="zcdp", epsilon=ev.epsilon, delta=ev.delta,
+                        rho=rho_for_epsilon(ev.epsilon, ev.delta)))
+                continue
             e = ev.health_epsilon if name == HEALTH_METRIC else eps
             out.append(ChargePlan(name=f"{scope}.{name}", metric=f"{scope}.{name}",
                                   scope=scope, epsilon=e))
@@ -451,6 +467,12 @@ def budgeted_evaluation(
             out["epsilon_spent"] += float(plan.epsilon or 0.0)
         else:
             info["refused"][plan.name] = res.refusal
+    if evaluator.distributed:  # the global sums of the granted regional entries
+        for name in SCALAR_METRICS:
+            if f"regional.{name}" in info["released"] + info["republished"]:
+                for rel in evaluator.releases_of(ev, f"global.{name}"):
+                    evaluator.record(ev, rel, evaluator.compute(ev.sums, rel))
+                    info["released"].append(f"global.{name}")
     out["metrics"] = {k: v for k, v in out["metrics"].items() if v is not None}
     out["budget"] = info
     return out

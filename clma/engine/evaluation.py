@@ -14,8 +14,12 @@ metric. One evaluation round, as data (what the server sees in brackets)::
              fewer than the floor -> not unmasked; fewer than t -> aborted
     global   the sum over all groups, by post-processing the group sums (no session of
              its own)
-    noise    Laplace once on each released sum (clma.release.aggregate_sum /
-             aggregate_vector_sum), never per client                  [noisy sums]
+    noise    central (default): Laplace once on each released sum
+             (clma.release.aggregate_sum / aggregate_vector_sum), never per client;
+             distributed (evaluation.noise): the devices' discrete Gaussian shares are
+             already in the accuracy and mean-loss sums, which the server decodes and
+             publishes as they are (clma.engine.distributed, clma.privacy.distributed;
+             the global value is their sum)                          [noisy sums]
     publish  value clamped to the clip range, error bar from the participant band's
              lower edge, band instead of the count, one closed envelope per release
              (clma.release.build_federated_metric_envelope), suppressed-region count
@@ -71,10 +75,14 @@ from pydantic import BaseModel, ConfigDict, Field
 from clma.budget.policy import PrivacyPolicy
 from clma.config import FederationConfig
 from clma.engine.clients import Clients, ReportRequest, SecAggSession
+from clma.engine.distributed import NOISED_METRICS, GroupNoise, group_noise
 from clma.engine.secure_sum import run_sessions
 from clma.engine.state import ServerState
 from clma.metrics import DeviceMetricLayout
-from clma.privacy.mechanisms import error_bar, noise_scale
+from clma.privacy.distributed import MECHANISM as DDG
+from clma.privacy.distributed import MECHANISM_VERSION as DDG_VERSION
+from clma.privacy.distributed import decode_sum
+from clma.privacy.mechanisms import Mechanism, NoiseSource, error_bar, noise_scale
 from clma.privacy.secagg import FixedPointQuantiser, SecAggConfig, secagg_plus_parameters
 from clma.regions import RegionPartition
 from clma.release import (
@@ -190,6 +198,7 @@ class GroupSum:
     sum: np.ndarray | None = None
     sum_quantised: np.ndarray | None = None
     threshold: int = 0
+    noise: GroupNoise | None = None
 
 
 @dataclass
@@ -321,19 +330,19 @@ def _clamped(m: AggregatedMetric) -> AggregatedMetric:
 
 
 def _envelope(name: str, kind: str, value: float, bar: float, lo: float, hi: float, n: int,
-              m: int, level: float, policy: PrivacyPolicy) -> str:
+              m: int, level: float, policy: PrivacyPolicy, mechanism: str = "laplace") -> str:
     v = float(np.clip(value, lo, hi))
     if n < m:  # suppressed envelope: the builder nulls value and interval
         return build_federated_metric_envelope(
             metric_id=name, metric_kind=kind, aggregate_value=lo, clipping_lower_bound=lo,
-            clipping_upper_bound=hi, privacy_mechanism="laplace",
-            privacy_mechanism_version=policy.mechanism_version("laplace"),
+            clipping_upper_bound=hi, privacy_mechanism=mechanism,
+            privacy_mechanism_version=policy.mechanism_version(mechanism),
             participant_count=n, minimum_group_size=m, policy=policy,
         ).to_json()
     return build_federated_metric_envelope(
         metric_id=name, metric_kind=kind, aggregate_value=v, clipping_lower_bound=lo,
-        clipping_upper_bound=hi, privacy_mechanism="laplace",
-        privacy_mechanism_version=policy.mechanism_version("laplace"), participant_count=n,
+        clipping_upper_bound=hi, privacy_mechanism=mechanism,
+        privacy_mechanism_version=policy.mechanism_version(mechanism), participant_count=n,
         minimum_group_size=m, uncertainty_method="confidence_interval",
         uncertainty_lower_bound=max(lo, v - bar), uncertainty_upper_bound=min(hi, v + bar),
         confidence_level=level, policy=policy,
@@ -487,6 +496,13 @@ class PrivateEvaluator:
         delta = ev.secagg_dropout_fraction
         if n - math.ceil(delta * n) < m:
             delta = max(0.0, (n - m) / n * (1.0 - 1e-9))  # ceil(delta n) <= n - m
+        noise = self.group_noise(n, dim) if self.distributed else None
+        if self.distributed and noise is None:
+            return None
+        extra: dict[str, Any] = {}
+        if noise is not None:  # distributed DP: ring, survivor floor and share per group
+            delta = noise.dropout_fraction
+            extra = {"modulus_bits": noise.modulus_bits, "noise": noise.share()}
         try:
             p = secagg_plus_parameters(
                 n, corrupted_fraction=ev.secagg_corrupted_fraction, dropout_fraction=delta,
@@ -501,10 +517,28 @@ class PrivateEvaluator:
                     if ev.noise_seeded else secrets.randbits(63)),
                 corrupted_fraction=ev.secagg_corrupted_fraction, dropout_fraction=delta,
                 statistical_security=ev.secagg_statistical_security,
-                correctness=ev.secagg_correctness, min_survivors=max(m, 2),
-                client_ids=tuple(sorted(int(c) for c in members)))
+                correctness=ev.secagg_correctness,
+                min_survivors=noise.min_survivors if noise is not None else max(m, 2),
+                client_ids=tuple(sorted(int(c) for c in members)), **extra)
         except ValueError:
             return None
+
+    @property
+    def distributed(self) -> bool:
+        """``evaluation.noise == "distributed"``: noise shares added on the devices."""
+        return self.config.evaluation.noise == "distributed"
+
+    def group_noise(self, n: int, dim: int) -> GroupNoise | None:
+        """The distributed-noise parameters of a group of n (:mod:`clma.engine.distributed`)."""
+        ev = self.config.evaluation
+        layout = self.state.layout()
+        coords = tuple(i for name in NOISED_METRICS
+                       for i in range(*layout.slices[name].indices(dim)))
+        return group_noise(n, epsilon=ev.epsilon, delta=ev.delta,
+                           dropout_fraction=ev.secagg_dropout_fraction,
+                           corrupted_fraction=ev.secagg_corrupted_fraction,
+                           floor=self.min_cohort, levels=QUANTISATION_LEVELS,
+                           security=ev.secagg_statistical_security, coordinates=coords)
 
     def secure_sums(self, clients: Clients, round_number: int, participants: Sequence[int],
                     region_of: Mapping[int, str], assignments: Mapping[int, int],
@@ -538,6 +572,7 @@ class PrivateEvaluator:
         no_parameters: set[str] = set()
         name_of: dict[str, str] = {}
         thresholds: dict[str, int] = {}
+        noise_of: dict[str, GroupNoise] = {}
         model_digest: dict[str, str] = {}
         for g, cs in sorted(clients_of.items()):
             if len(cs) < max(m, 2):
@@ -549,6 +584,10 @@ class PrivateEvaluator:
             sessions[cfg.round_id] = SecAggSession(cfg.round_id, cfg, tuple(cs))
             name_of[cfg.round_id] = g
             thresholds[g] = cfg.threshold
+            if cfg.noise is not None:
+                gn = self.group_noise(len(cs), dim)
+                assert gn is not None
+                noise_of[g] = gn
             cohorts = sorted({int(assignments[c]) for c in cs})
             model_digest[g] = _digest([layout.version.encode()] + [
                 str(k).encode() + np.ascontiguousarray(models[k], dtype="<f4").tobytes()
@@ -575,7 +614,7 @@ class PrivateEvaluator:
                                     QUANTISATION_LEVELS)
         out: dict[str, GroupSum] = {}
         audit: list[dict[str, Any]] = []
-        total_q = np.zeros(dim, dtype=np.uint64)
+        total_q = np.zeros(dim, dtype=np.int64 if self.distributed else np.uint64)
         total_n = 0
         sel = drop = 0
         for g in sorted(clients_of):
@@ -597,16 +636,24 @@ class PrivateEvaluator:
             if res.status != "ok":
                 out[g] = GroupSum(g, groups[g], n, len(res.dropped), res.status, threshold=t)
                 continue
+            gn = noise_of.get(g)
+            q_sum = (res.sum_quantised if gn is None else  # the noisy sum, centred decoding
+                     decode_sum(res.sum_quantised, gn.modulus_bits, n, QUANTISATION_LEVELS))
             out[g] = GroupSum(g, groups[g], n, len(res.dropped), "ok",
                               contributors=res.contributors,
-                              sum=quant.dequantise_sum(res.sum_quantised, res.contributors),
-                              sum_quantised=res.sum_quantised, threshold=t)
-            total_q = total_q + np.asarray(res.sum_quantised, dtype=np.uint64)
+                              sum=quant.dequantise_sum(q_sum, res.contributors),
+                              sum_quantised=q_sum, threshold=t, noise=gn)
+            total_q = total_q + np.asarray(q_sum, dtype=total_q.dtype)
             total_n += res.contributors
         if total_n >= m:
+            # distributed: the global noise is the sum of every group's shares; its bar
+            # uses the largest per-client sigma (conservative)
+            gnoise = (max((out[g].noise for g in out if out[g].noise is not None
+                           and out[g].status == "ok"), key=lambda x: x.sigma, default=None)
+                      if self.distributed else None)
             out[GLOBAL] = GroupSum(GLOBAL, (GLOBAL,), sel, drop, "ok", contributors=total_n,
                                    sum=quant.dequantise_sum(total_q, total_n),
-                                   sum_quantised=total_q)
+                                   sum_quantised=total_q, noise=gnoise)
         else:
             out[GLOBAL] = GroupSum(GLOBAL, (GLOBAL,), sel, drop, "below_floor")
         return SecureSums(round_number, m, out, layout,
@@ -623,7 +670,15 @@ class PrivateEvaluator:
         for gname, g in sorted(sums.groups.items()):
             line = LINE_GLOBAL if gname == GLOBAL else LINE_REGIONAL
             eps = eps_g if gname == GLOBAL else ev.epsilon
-            if g.status == "ok":
+            if g.status == "ok" and self.distributed:
+                # the devices' noise is in the sums; the global is their sum (post-processing,
+                # charged nothing); the ring's wrap bound is added to delta
+                wrap = 2.0 ** -ev.secagg_statistical_security
+                for name in SCALAR_METRICS:
+                    out.append(PlannedRelease(
+                        name, gname, DDG, 0.0 if gname == GLOBAL else ev.epsilon,
+                        None if gname == GLOBAL else ev.delta + wrap, line, sums.round))
+            elif g.status == "ok":
                 for name in SCALAR_METRICS:
                     out.append(PlannedRelease(name, gname, "laplace", eps, None, line, sums.round))
                 if gname == GLOBAL and self.bounds_due():
@@ -658,6 +713,8 @@ class PrivateEvaluator:
         slices = sums.layout.slices
         g = sums.groups[rel.region]
         seed = self._seed(sums.round, f"{rel.name}|{rel.region}")
+        if rel.name in SCALAR_METRICS and self.distributed:
+            return _clamped(self._distributed_metric(sums, rel))
         if rel.name in SCALAR_METRICS:
             spec = state.bounds[rel.name].spec()
             s = float(np.clip(g.sum[slices[rel.name]][0], g.contributors * spec.clip_low,
@@ -672,6 +729,29 @@ class PrivateEvaluator:
         dspec = MetricSpec(HEALTH_METRIC, 0.0, 1.0)  # dropout rate over selected clients
         return _clamped(aggregate_sum(float(g.dropped), g.selected, dspec,
                                       epsilon=rel.epsilon, min_cohort=m, seed=seed))
+
+    def _distributed_metric(self, sums: SecureSums, rel: PlannedRelease) -> AggregatedMetric:
+        """A scalar release of a group (or the global post-processing) in distributed
+        mode: the decoded noisy sum over n, no noise drawn here; bar exact for n shares of
+        the group's sigma (the global: the largest sigma of its groups)."""
+        g = sums.groups[rel.region]
+        spec = self.state.bounds[rel.name].spec()
+        gn = g.noise
+        if gn is None:
+            raise ValueError(f"release {rel.name}/{rel.region}: no distributed noise in its sum")
+        n = g.contributors
+        s = float(np.clip(g.sum[sums.layout.slices[rel.name]][0], n * spec.clip_low,
+                          n * spec.clip_high))
+        quantum = spec.sensitivity / QUANTISATION_LEVELS
+        agg = AggregatedMetric(
+            name=rel.name, value=s / n, error_bar=0.0, contributors=n, epsilon=rel.epsilon,
+            delta=rel.delta, mechanism=Mechanism.DISTRIBUTED_DISCRETE_GAUSSIAN,
+            noise_scale=gn.sigma * quantum, sensitivity=spec.sensitivity,
+            clip_low=spec.clip_low, clip_high=spec.clip_high, min_cohort=sums.min_cohort,
+            noise_source=NoiseSource.OPENDP, rho=gn.rho, quantum=quantum,
+            honest_floor=gn.honest_floor,
+            wrap_probability=2.0 ** -self.config.evaluation.secagg_statistical_security)
+        return agg.model_copy(update={"error_bar": agg.bar_at(n)})
 
     def record(self, ev: EvaluationRound, rel: PlannedRelease,
                agg: AggregatedMetric | AggregatedVector) -> dict:
@@ -692,7 +772,8 @@ class PrivateEvaluator:
                 d.released[rel.name][rel.region] = agg
             d.envelopes[f"{rel.name}/{rel.region}.json"] = _envelope(
                 rel.name, SCALAR_METRICS[rel.name][0], agg.value, agg.published_error_bar,
-                agg.clip_low, agg.clip_high, agg.contributors, m, agg.level, policy)
+                agg.clip_low, agg.clip_high, agg.contributors, m, agg.level, policy,
+                agg.mechanism.value)
         elif rel.name == HISTOGRAM_METRIC:
             pub = agg.to_published_dict()
             pub["values"] = [float(np.clip(v, 0.0, 1.0)) for v in agg.values]
@@ -844,7 +925,7 @@ class PrivateEvaluator:
                 bv = state.bounds[name]
                 envelopes.setdefault(f"{name}/{g}.json", _envelope(
                     name, SCALAR_METRICS[name][0], bv.clip_low, 0.0, bv.clip_low, bv.clip_high,
-                    0, m, 0.95, policy))
+                    0, m, 0.95, policy, DDG if self.distributed else "laplace"))
         band = suppressed_region_band(len(unpublished)).value
         for name in SCALAR_METRICS:
             metrics_pub[name]["suppressed_regions_band"] = band
@@ -901,6 +982,12 @@ class PrivateEvaluator:
             "round": rnd,
             "noise": {"source": "seeded-simulation" if seeded else "opendp",
                       "private": not seeded,
+                      "mode": self.config.evaluation.noise,
+                      **({"mechanism": DDG, "mechanism_version": DDG_VERSION,
+                          "added_on": "devices (OpenDP discrete Gaussian shares); the server "
+                                      "adds none to accuracy and mean_loss",
+                          "global": "sum of the groups' noisy sums (post-processing)"}
+                         if self.distributed else {}),
                       **({"warning": "seeded noise: reproducible and NOT private"}
                          if seeded else {})},
             "min_cohort": m,

@@ -69,6 +69,9 @@ class Mechanism(StrEnum):
 
     LAPLACE = "laplace"
     GAUSSIAN = "gaussian"
+    #: noise shares added on the devices (:mod:`clma.privacy.distributed`); the server
+    #: adds none, so :func:`noise_scale` and :func:`sample` refuse it.
+    DISTRIBUTED_DISCRETE_GAUSSIAN = "distributed_discrete_gaussian"
 
 
 class NoiseSource(StrEnum):
@@ -205,6 +208,9 @@ def noise_scale(
         PrivacyParameterError: invalid parameters.
     """
     mech = _mechanism(mechanism)
+    if mech is Mechanism.DISTRIBUTED_DISCRETE_GAUSSIAN:
+        raise PrivacyParameterError("mechanism: distributed noise is sized on the devices "
+                                    "(clma.privacy.distributed.calibrate_sigma)")
     if mech is Mechanism.LAPLACE:
         return _check_positive("sensitivity", sensitivity) / _check_positive("epsilon", epsilon)
     if gaussian_method == "analytic":
@@ -224,6 +230,9 @@ def interval_quantile(mechanism: Mechanism | str = Mechanism.LAPLACE, level: flo
     mech = _mechanism(mechanism)
     if mech is Mechanism.LAPLACE:
         return math.log(1.0 / (1.0 - q))
+    if mech is Mechanism.DISTRIBUTED_DISCRETE_GAUSSIAN:
+        raise PrivacyParameterError("mechanism: the distributed bar depends on n "
+                                    "(clma.privacy.distributed.sum_noise_quantile)")
     return float(stats.norm.ppf(0.5 * (1.0 + q)))
 
 
@@ -248,7 +257,8 @@ def _mechanism(mechanism: Mechanism | str) -> Mechanism:
     try:
         return Mechanism(mechanism)
     except ValueError:
-        raise PrivacyParameterError("mechanism must be 'laplace' or 'gaussian'") from None
+        raise PrivacyParameterError("mechanism must be 'laplace', 'gaussian' or "
+                                    "'distributed_discrete_gaussian'") from None
 
 
 def _opendp():
@@ -285,6 +295,8 @@ def sample(
     """
     s = _check_positive("scale", scale)
     mech = _mechanism(mechanism)
+    if mech is Mechanism.DISTRIBUTED_DISCRETE_GAUSSIAN:
+        raise PrivacyParameterError("mechanism: the server draws no distributed noise")
     arr = np.asarray(value, dtype=np.float64)
     if arr.ndim > 1:
         raise ValueError("value must be a scalar or a 1-D vector")

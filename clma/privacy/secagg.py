@@ -41,7 +41,10 @@ Each coordinate j is clipped to ``[lower_j, upper_j]`` and mapped to an integer
 ``Q = quantisation_levels`` (default ``2^16 - 1``).  Arithmetic is modulo
 ``2^k`` (``modulus_bits = k``, default 32, words held in uint64).  The sum of
 n clients is exact (no wrap-around) iff ``n * Q < 2^k``; this is checked when
-the round is configured (default: up to 65,537 clients).  Rounding error on the
+the round is configured (default: up to 65,537 clients).  With distributed DP
+(``SecAggConfig.noise``) an input is ``q`` plus the client's noise share, any ring
+element; the ring is then sized so that the noisy sum wraps with probability at most
+``2^-statistical_security`` (:mod:`clma.privacy.distributed`), checked here too.  Rounding error on the
 de-quantised sum is at most ``n * (upper - lower) / (2 Q)`` per coordinate.
 
 Neighbour graph and its seed
@@ -179,6 +182,8 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from clma.privacy.distributed import DistributedNoise, wrap_probability
 
 __all__ = [
     "SHAMIR_PRIME",
@@ -445,6 +450,10 @@ class SecAggConfig(BaseModel):
         client_ids: the sorted ids of the round's clients, so that each client derives
             the graph itself (required by clients for their checks on a SecAgg+ graph;
             :func:`run_secure_aggregation` fills it in).
+        noise: distributed DP (:class:`clma.privacy.distributed.DistributedNoise`): each
+            client adds its discrete Gaussian share to the listed coordinates before
+            masking, and its input may then be any ring element (None: inputs in
+            ``[0, Q]``, no noise).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -463,6 +472,7 @@ class SecAggConfig(BaseModel):
     correctness: int = Field(default=20, ge=1, le=128)
     min_survivors: int | None = Field(default=None, ge=2)
     client_ids: tuple[int, ...] | None = None
+    noise: DistributedNoise | None = None
 
     @field_validator("client_ids")
     @classmethod
@@ -483,6 +493,17 @@ class SecAggConfig(BaseModel):
                 "overflow bound violated: n_clients * quantisation_levels must be < "
                 "2**modulus_bits"
             )
+        if self.noise is not None:
+            if max(self.noise.coordinates) >= self.vector_length:
+                raise ValueError("noise.coordinates: an index is outside the vector")
+            wrap = wrap_probability(n, self.quantisation_levels, self.noise.sigma,
+                                    len(self.noise.coordinates), self.modulus_bits)
+            if wrap > 2.0 ** -self.statistical_security:
+                raise ValueError(
+                    "modulus_bits: the noisy sum may wrap around the ring with probability "
+                    f"above 2^-{self.statistical_security} (rule: 2 d exp(-(2^(k-1) - "
+                    "ceil(n Q / 2))^2 / (2 n sigma^2)) <= 2^-statistical_security); use "
+                    "clma.privacy.distributed.ring_bits()")
         if self.neighbour_degree is not None and self.neighbour_degree < n - 1:
             k = self.neighbour_degree
             if k < 2 or k % 2:
@@ -1177,8 +1198,10 @@ class SecAggClient:
         cfg = self.config
         if q.shape != (cfg.vector_length,) or q.dtype != np.uint64:
             raise ValueError("quantised input must be uint64 of shape (vector_length,)")
-        if np.any(q > np.uint64(cfg.quantisation_levels)):
+        if cfg.noise is None and np.any(q > np.uint64(cfg.quantisation_levels)):
             raise ValueError("quantised input exceeds quantisation_levels")
+        if cfg.noise is not None and np.any(q > np.uint64(cfg.modulus_mask)):
+            raise ValueError("noisy input must be a ring element (< 2**modulus_bits)")
         mask = np.uint64(cfg.modulus_mask)
         y = q + prg_words(self._b, cfg.vector_length, cfg.modulus_mask)
         for v in self._neighbours:

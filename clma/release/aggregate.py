@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from clma.privacy.distributed import MECHANISM_VERSION as DDG_VERSION
 from clma.privacy.mechanisms import (
     Mechanism,
     NoiseSource,
@@ -226,7 +227,16 @@ class AggregatedMetric(BaseModel):
         level: coverage of ``error_bar`` (0.95).
         min_cohort: cohort floor in force (defines the participant band).
         noise_source: ``opendp`` or ``seeded-simulation``.
-        rho: zCDP rho of the Gaussian draw (None for Laplace).
+        rho: zCDP rho of the Gaussian draw, or the charged rho of a distributed release
+            (None for Laplace).
+        quantum: distributed mode only: metric units per quantisation step; then
+            ``noise_scale`` is the per-client discrete Gaussian sigma in metric units and
+            the bar is the exact quantile of the sum of n such shares
+            (:func:`clma.privacy.distributed.sum_noise_quantile`), over n.
+        honest_floor: distributed mode only: the fewest honest contributors the share
+            was sized for (the guarantee holds whenever the sum is unmasked).
+        wrap_probability: distributed mode only: bound on a ring wrap-around (added to
+            ``delta``).
 
     The PUBLISHED view is :meth:`to_published_dict`: participant band instead of
     n, and :attr:`published_error_bar` computed from the band's lower edge.
@@ -249,6 +259,18 @@ class AggregatedMetric(BaseModel):
     min_cohort: int
     noise_source: NoiseSource
     rho: float | None = None
+    quantum: float | None = None
+    honest_floor: int | None = None
+    wrap_probability: float | None = None
+
+    def bar_at(self, n: int) -> float:
+        """Half-width of the exact ``level`` interval of this mechanism for n contributors."""
+        if self.mechanism is Mechanism.DISTRIBUTED_DISCRETE_GAUSSIAN:
+            from clma.privacy.distributed import sum_noise_quantile
+
+            q = float(self.quantum)  # type: ignore[arg-type]
+            return sum_noise_quantile(self.noise_scale / q, int(n), self.level) * q / n
+        return error_bar(self.noise_scale, mechanism=self.mechanism, level=self.level, n=n)
 
     @property
     def participant_band(self) -> ParticipantBand:
@@ -263,7 +285,7 @@ class AggregatedMetric(BaseModel):
         band, and it reveals only the band, not n.
         """
         lower = participant_band_lower_edge(self.participant_band, self.min_cohort)
-        return error_bar(self.noise_scale, mechanism=self.mechanism, level=self.level, n=lower)
+        return self.bar_at(lower)
 
     def is_significant(self, other: AggregatedMetric, *, published: bool = True) -> bool:
         """True iff ``|self.value - other.value| > bar(self) + bar(other)``.
@@ -303,6 +325,10 @@ class AggregatedMetric(BaseModel):
             "clip_low": self.clip_low,
             "clip_high": self.clip_high,
             "noise_source": self.noise_source.value,
+            **({"mechanism_version": DDG_VERSION, "noise_added": "on_devices",
+                "per_client_sigma": self.noise_scale, "honest_floor": self.honest_floor,
+                "rho": self.rho, "wrap_probability": self.wrap_probability}
+               if self.mechanism is Mechanism.DISTRIBUTED_DISCRETE_GAUSSIAN else {}),
         }
 
 

@@ -14,7 +14,8 @@ Fields (exactly these; ``from_dict`` rejects any other key)::
     aggregate_value            number, or null when suppressed
     clipping_lower_bound       number (count: integer >= 0)
     clipping_upper_bound       number (count: integer), > lower bound
-    privacy_mechanism          threshold_only | laplace | gaussian
+    privacy_mechanism          threshold_only | laplace | gaussian |
+                               distributed_discrete_gaussian (clma extension)
     privacy_mechanism_version  the policy's version of that mechanism (e.g. "v1")
     minimum_group_size         integer >= the policy floor
     participant_count_band     suppressed | minimum_to_under_double |
@@ -114,6 +115,9 @@ class FederatedPrivacyMechanism(StrEnum):
     THRESHOLD_ONLY = "threshold_only"
     LAPLACE = "laplace"
     GAUSSIAN = "gaussian"
+    #: clma extension: discrete Gaussian shares added on the devices, summed by secure
+    #: aggregation (clma.privacy.distributed); not in the OpenMed enum.
+    DISTRIBUTED_DISCRETE_GAUSSIAN = "distributed_discrete_gaussian"
 
 
 class FederatedParticipantCountBand(StrEnum):
