@@ -413,7 +413,8 @@ def federation_flow(
     records: list[RoundRecord] = []
     status = "FAILED"
     try:
-        for r in range(first_round, session.last_round(max_new_rounds) + 1):
+        last = session.last_round(max_new_rounds)
+        for r in range(first_round, last + 1):
             session.round_started(r)
             rec = round_flow(engine, transport, r, on_divergence=on_divergence)
             records.append(rec)
@@ -425,7 +426,7 @@ def federation_flow(
                 log_evaluation(rec.evaluation, tracker, out_dir)
             if budget is not None:
                 report_budget_round(budget, tracker, r)
-            session.round_done(engine, rec, tracker)  # lineage, dashboards, commit
+            session.round_done(engine, rec, tracker, last=r == last)  # lineage, dashboards, commit
             if on_round:
                 on_round(rec)
         status = "FINISHED"
