@@ -32,6 +32,7 @@ wall time / median bare per-round wall time (and the same of CPU time). The last
 
     .venv/bin/python benchmarks/bench_overhead.py --quick              # default config
     .venv/bin/python benchmarks/bench_overhead.py --quick --repeats 3  # 3 pairs
+    .venv/bin/python benchmarks/bench_overhead.py --quick --rounds 4   # rounds 1-4 only
     .venv/bin/python benchmarks/bench_overhead.py                      # and 300 clients
 """
 
@@ -105,12 +106,17 @@ class ArmRun:
         return s
 
 
+ROUNDS: int | None = None  # --rounds: fewer rounds of the same federation (a loaded machine)
+
+
 def _config(clients: int | None, tmp: Path, tag: str):
     from clma.config import load_config
 
     cfg = load_config(None)
     if clients is not None:
         cfg = cfg.with_overrides(clients=clients)
+    if ROUNDS is not None:
+        cfg = cfg.with_overrides(rounds=ROUNDS)
     return cfg.model_copy(update={"budget": cfg.budget.model_copy(
         update={"state_dir": str(tmp / f"ledger-{tag}")})})
 
@@ -175,9 +181,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="default config only")
     p.add_argument("--repeats", type=int, default=2,
                    help="interleaved (bare, prefect) pairs per config (default 2)")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="run only the first ROUNDS rounds (at least 3; default: the config's 10)")
     args = p.parse_args(argv)
     if args.repeats < 1:
         p.error("--repeats must be at least 1")
+    if args.rounds is not None and args.rounds < 3:
+        p.error("--rounds must be at least 3 (round 1 is start-up; two rounds to compare)")
+    global ROUNDS
+    ROUNDS = args.rounds
     with tempfile.TemporaryDirectory(prefix="bench-overhead-") as d:
         tmp = Path(d)
         _env(tmp)
