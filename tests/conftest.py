@@ -27,7 +27,9 @@ def prefect_harness():
     """A temporary Prefect API for the whole session (started on first use, ~7 s)."""
     from prefect.testing.utilities import prefect_test_harness
 
-    with prefect_test_harness(server_startup_timeout=120):
+    # the same bound as the ephemeral server's own (120 s unless set: a loaded machine)
+    timeout = int(os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"])
+    with prefect_test_harness(server_startup_timeout=timeout):
         yield
 
 
