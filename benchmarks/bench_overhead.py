@@ -20,9 +20,10 @@ Per-round figures, rounds 2..N of each run (round 1 holds one-time start-up):
 * wall time: bare = each ``run_round`` call; prefect = the time between two consecutive
   rounds' ends (``on_round``), i.e. the round flow run and everything logged after it;
 * CPU time: user + system seconds over the same intervals, of this process (every thread:
-  Prefect's and MLflow's background workers included) and of its child processes (the
-  temporary Prefect API server: live children through psutil when it is installed, reaped
-  ones through ``resource.getrusage(RUSAGE_CHILDREN)``). CPU time does not grow when other
+  Prefect's and MLflow's background workers included) and, for the prefect arm, of its
+  child processes (the temporary Prefect API server: live children through psutil when it
+  is installed, reaped ones through ``resource.getrusage(RUSAGE_CHILDREN)``; the bare arm
+  has none of its own). CPU time does not grow when other
   processes compete for the cores, so it is the load-insensitive second measure.
 
 Prefect start-up = time to the end of round 1 minus the run's median per-round time (the
@@ -61,11 +62,15 @@ def _env(tmp: Path) -> None:
     sys.path.insert(0, str(ROOT))
 
 
-def cpu_seconds() -> float:
-    """User + system CPU seconds of this process and of its children (live and reaped)."""
+def cpu_seconds(children: bool = True) -> float:
+    """User + system CPU seconds of this process and (``children``) of its child processes,
+    live and reaped."""
     own = resource.getrusage(resource.RUSAGE_SELF)
+    total = own.ru_utime + own.ru_stime
+    if not children:
+        return total
     reaped = resource.getrusage(resource.RUSAGE_CHILDREN)
-    total = own.ru_utime + own.ru_stime + reaped.ru_utime + reaped.ru_stime
+    total += reaped.ru_utime + reaped.ru_stime
     try:
         import psutil
     except ImportError:  # live children not counted: said in the output
@@ -132,11 +137,11 @@ def bare(clients: int | None, tmp: Path, tag: str) -> ArmRun:
     tr = open_transport(cfg)
     engine = FederationEngine(cfg, tr.assets, tr.clients, budget=open_budget(cfg))
     wall, cpu = [], []
-    for r in range(1, cfg.rounds + 1):
-        t, c = time.perf_counter(), cpu_seconds()
+    for r in range(1, cfg.rounds + 1):  # own process only: a Prefect API left by an
+        t, c = time.perf_counter(), cpu_seconds(children=False)  # earlier pair is not ours
         engine.run_round(r, chunk_size=cfg.orchestration.chunk_size)
         wall.append(time.perf_counter() - t)
-        cpu.append(cpu_seconds() - c)
+        cpu.append(cpu_seconds(children=False) - c)
     tr.close()
     return ArmRun("bare", wall[1:], cpu[1:])  # rounds 2..N, as for prefect
 
