@@ -37,8 +37,7 @@ Schema (what :class:`CohortLineageTracker` writes; no client id is ever logged):
   over rounds, arrows from parent to child at a split or merge). The JSON is rewritten
   after every round; the PNG is redrawn when the graph changed (a cohort created, merged
   or retired, a band changed) and after the flow run's last round (``final``), so the
-  last one logged always shows the whole run (drawing costs more than the round's
-  other logging).
+  last one logged always shows the whole run.
 
 Find every cohort descended from cohort 3 (documented search, tested)::
 
