@@ -29,6 +29,7 @@ from typing import Any
 
 from prefect import flow
 from prefect.runtime import flow_run
+from prefect.utilities.annotations import quote
 
 from clma.config import ConfigError, FederationConfig
 from clma.divergence import probe_digest
@@ -129,21 +130,26 @@ def round_flow(
     :class:`clma.engine.divergence.DivergenceOutcome`, client ids included; the record
     keeps only its id-free summary.
     """
-    ctx = select_clients_task(engine, round_number)
+    # Arguments go in quote(): Prefect would otherwise walk every argument's contents
+    # (lists, dicts, dataclasses: the round context's updates, the secure sums) twice per
+    # task looking for futures; there are none, and the task receives the object itself.
+    eng = quote(engine)
+    ctx = select_clients_task(eng, round_number)
+    q = quote(ctx)
     chunks = chunked(ctx.selected, engine.config.orchestration.chunk_size)
-    futures = [train_clients_task.submit(engine, ctx, chunk) for chunk in chunks]
+    futures = [train_clients_task.submit(eng, q, chunk) for chunk in chunks]
     engine.accept(ctx, [f.result() for f in futures])
-    detect_drift_task(engine, ctx)
-    div = score_divergence_task(engine, ctx)
+    detect_drift_task(eng, q)
+    div = score_divergence_task(eng, q)
     if div is not None and on_divergence is not None:
         on_divergence(div)
-    aggregate_task(engine, ctx)
-    cohort_task(engine, ctx)
-    merge_task(engine, ctx)  # also installs the models and records the round
+    aggregate_task(eng, q)
+    cohort_task(eng, q)
+    merge_task(eng, q)  # also installs the models and records the round
     if engine.evaluation_due(round_number) and ctx.participants:
         from flows.approval import borrow_gate
 
-        sums = secure_aggregation_task(engine, ctx)
+        sums = secure_aggregation_task(eng, q)
         evaluate_regions(engine, ctx, sums, gate=borrow_gate, run_id=str(flow_run.id or ""))
     result = engine.finish(ctx)
     rec = RoundRecord.from_result(result, _truth(transport, engine, round_number,
@@ -430,7 +436,7 @@ def federation_flow(
                 log_evaluation(rec.evaluation, tracker, out_dir)
             if budget is not None:
                 report_budget_round(budget, tracker, r)
-            session.round_done(engine, rec, tracker)  # lineage, dashboards, commit
+            session.round_done(engine, rec, tracker, last=r == last)  # lineage, dashboards, commit
             if on_round:
                 on_round(rec)
         status = "FINISHED"

@@ -249,15 +249,12 @@ class FederationSession:
                 state=self.lineage_state, models_every=self.config.tracking.models_every)
         return self.lineage
 
-    def round_done(self, engine: Any, rec: Any, tracker: Any) -> None:
-        """After round ``rec.round`` was logged: lineage, dashboards, then the commit."""
+    def round_done(self, engine: Any, rec: Any, tracker: Any, *, last: bool = True) -> None:
+        """After round ``rec.round`` was logged: lineage, dashboards, then the commit.
+        ``last``: the flow run's last round (the lineage graph is drawn in any case)."""
         lineage = self._lineage(tracker)
         if lineage is not None:
-            doc = lineage.sync_round(engine, rec.round)
-            if self.out_dir:
-                from tasks.lineage import write_lineage_files
-
-                write_lineage_files(doc, self.out_dir)
+            lineage.sync_round(engine, rec.round, out_dir=self.out_dir, final=last)
         report = rec.regional
         if self.config.tracking.dashboards and report:
             publish_dashboards(self.dashboards, report, federation=self.config.name,

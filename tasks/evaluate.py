@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from prefect import task
+from prefect.utilities.annotations import quote
 
 from clma.engine import FederationEngine, RoundContext
 from clma.engine.evaluation import EvaluationOutcome, SecureSums
@@ -43,7 +44,7 @@ def evaluate_regions(engine: FederationEngine, ctx: RoundContext, sums: SecureSu
     body (the borrow gate may pause the run; charge / release / republish show as tasks);
     without, one ``evaluate-regions`` task."""
     if engine.budget is None:
-        return _release_task(engine, ctx, sums)
+        return _release_task(quote(engine), quote(ctx), quote(sums))  # not walked
     return engine.evaluate(ctx, sums, gate=gate, run_id=run_id, step=prefect_step)
 
 

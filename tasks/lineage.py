@@ -34,8 +34,10 @@ Schema (what :class:`CohortLineageTracker` writes; no client id is ever logged):
 * **Lineage artifact** on the federation run: ``lineage/lineage.json`` (schema
   ``clma.lineage/1``: cohorts with parents, created/ended round, status, band; split and
   merge events by round) and ``lineage/lineage.png`` (each cohort a horizontal life line
-  over rounds, arrows from parent to child at a split or merge). Both are rewritten after
-  every round.
+  over rounds, arrows from parent to child at a split or merge). The JSON is rewritten
+  after every round; the PNG is redrawn when the graph changed (a cohort created, merged
+  or retired, a band changed) and after the flow run's last round (``final``), so the
+  last one logged always shows the whole run.
 
 Find every cohort descended from cohort 3 (documented search, tested)::
 
@@ -267,6 +269,7 @@ class CohortLineageTracker:
         self.models_every = int(models_every)
         self.state = state or LineageState()
         self._model_registered = False
+        self._drawn: str | None = None  # the graph (doc without rounds_done) last drawn
 
     # ------------------------------------------------------------------ runs
     def _find_run(self, cohort_id: int) -> str | None:
@@ -355,9 +358,14 @@ class CohortLineageTracker:
         return str(mv.version)
 
     # ------------------------------------------------------------------ per round
-    def sync_round(self, engine: Any, round_number: int) -> dict[str, Any]:
+    def sync_round(self, engine: Any, round_number: int, *, out_dir: str | Path | None = None,
+                   final: bool = True) -> dict[str, Any]:
         """Bring MLflow up to date after ``round_number``: cohort runs and tags, changed
         models (logged + registered + alias), the lineage document and graph.
+
+        ``out_dir``: also write ``lineage/lineage.json`` and ``lineage.png`` there (the same
+        PNG file is logged). ``final``: the flow run's last round: the graph is drawn
+        even if only the round axis grew; otherwise it is drawn when it changed.
 
         Returns the lineage document (also logged as ``lineage/lineage.json``).
         """
@@ -391,9 +399,22 @@ class CohortLineageTracker:
                 self._sync_model(engine, cid, rid, round_number)
         doc = lineage_document(reg, m, round_number)
         self.client.log_dict(self.federation_run_id, doc, "lineage/lineage.json")
-        with tempfile.TemporaryDirectory(prefix="clma-lineage-") as tmp:
-            png = render_lineage_png(doc, Path(tmp) / "lineage.png")
-            self.client.log_artifact(self.federation_run_id, str(png), "lineage")
+        graph = json.dumps({k: v for k, v in doc.items() if k != "rounds_done"},
+                           sort_keys=True)
+        draw = final or graph != self._drawn
+        if out_dir is not None:
+            base = Path(out_dir) / "lineage"
+            base.mkdir(parents=True, exist_ok=True)
+            (base / "lineage.json").write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+            if draw:  # drawn once: the out folder's file is the one logged
+                png = render_lineage_png(doc, base / "lineage.png")
+                self.client.log_artifact(self.federation_run_id, str(png), "lineage")
+        elif draw:
+            with tempfile.TemporaryDirectory(prefix="clma-lineage-") as tmp:
+                png = render_lineage_png(doc, Path(tmp) / "lineage.png")
+                self.client.log_artifact(self.federation_run_id, str(png), "lineage")
+        if draw:
+            self._drawn = graph
         return doc
 
     def _sync_model(self, engine: Any, cid: int, rid: str, round_number: int) -> None:

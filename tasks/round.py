@@ -16,6 +16,7 @@ from typing import Any
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
+from prefect.utilities.annotations import quote
 
 from clma.engine import FederationEngine, Replies, RoundContext
 from clma.engine.divergence import DivergenceOutcome
@@ -102,4 +103,6 @@ def prefect_step(name: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
     if t is None:
         t = task(name=name, **TASK_OPTIONS)(lambda f, *a, **k: f(*a, **k))
         _STEP_TASKS[name] = t
-    return t(fn, *args, **kwargs)
+    # quote(): the arguments (ledger, plans, the open evaluation round) are not walked for
+    # futures (see flows.federation.round_flow); the step receives the objects themselves
+    return t(fn, *(quote(a) for a in args), **{k: quote(v) for k, v in kwargs.items()})

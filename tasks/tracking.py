@@ -167,8 +167,12 @@ class FederationTracker:
         self.client.log_artifact(self._rid(), path, artifact_path)
 
     def set_tags(self, tags: dict[str, str]) -> None:
-        for k, v in tags.items():
-            self.client.set_tag(self._rid(), k, v)
+        """Set ``tags`` on the run in batches of 100 (one store write each)."""
+        from mlflow.entities import RunTag
+
+        items = [RunTag(k, str(v)) for k, v in tags.items()]
+        for i in range(0, len(items), 100):
+            self.client.log_batch(self._rid(), tags=items[i : i + 100])
 
     def record_prefect_run(self, flow_run_id: str | None, first_round: int) -> list[dict]:
         """Record a Prefect flow run that advances this federation (a resumed or scheduled

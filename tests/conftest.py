@@ -14,7 +14,8 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("PREFECT_SERVER_LOGGING_LEVEL", "CRITICAL")
 os.environ.setdefault("DO_NOT_TRACK", "true")
-os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS",
+                      os.environ.get("CLMA_TEST_PREFECT_STARTUP_TIMEOUT", "120"))
 os.environ.pop("PREFECT_API_URL", None)
 os.environ.pop("MLFLOW_TRACKING_URI", None)
 warnings.filterwarnings("ignore", category=DeprecationWarning, module="sqlalchemy")
@@ -28,7 +29,9 @@ def prefect_harness():
     loaded machine allow longer with CLMA_TEST_PREFECT_STARTUP_TIMEOUT, seconds)."""
     from prefect.testing.utilities import prefect_test_harness
 
-    timeout = int(os.environ.get("CLMA_TEST_PREFECT_STARTUP_TIMEOUT", "120"))
+    # one bound for the harness and the ephemeral server (120 s unless set: a loaded machine)
+    timeout = int(os.environ.get("CLMA_TEST_PREFECT_STARTUP_TIMEOUT",
+                                 os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"]))
     with prefect_test_harness(server_startup_timeout=timeout):
         yield
 

@@ -50,7 +50,7 @@ from clma.privacy.secagg import (
 from clma.rounds import ClientUpdate
 from clma.sim.drift import AppliedDrift, apply_drifts
 from clma.sim.federation import ClientEvaluation, SimClient, SimulatedFederation
-from clma.sim.training import local_train, predict_proba
+from clma.sim.training import local_train, model_predictor, predict_proba
 
 __all__ = ["DeviceStore", "SimLearner", "SimulatedClients", "simulated_dropouts"]
 
@@ -254,8 +254,13 @@ class SimulatedClients:
         """Simulation ground truth: each listed client's accuracy and clipped loss of its
         cohort model on its local evaluation data (never part of a private release)."""
         out = []
+        predictors: dict[int, Any] = {}  # one model per cohort, not one per client
         for c in sorted(assignments):
-            proba, ey = self.learners[c].predict(models[assignments[c]], round_number)
+            k = int(assignments[c])
+            if k not in predictors:
+                predictors[k] = model_predictor(self.federation.spec, models[k])
+            _, _, ex, ey = self.learners[c].data(round_number)
+            proba = predictors[k](ex)
             p_true = np.clip(proba[np.arange(ey.shape[0]), ey], 1e-12, 1.0)
             loss = float(np.clip(-np.log(p_true).mean(), 0.0, loss_max))
             acc = float((proba.argmax(axis=1) == ey).mean())

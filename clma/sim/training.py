@@ -9,6 +9,7 @@ training is reproducible and independent of thread scheduling.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,7 +19,7 @@ from torch import nn
 from clma.params import AllParams, model_to_vector, vector_to_model
 from clma.sim.models import MLPSpec
 
-__all__ = ["LocalResult", "local_train", "predict_proba", "mean_loss"]
+__all__ = ["LocalResult", "local_train", "mean_loss", "model_predictor", "predict_proba"]
 
 _FULL = AllParams()
 
@@ -53,10 +54,23 @@ def mean_loss(spec: MLPSpec, vector: np.ndarray, x: np.ndarray, y: np.ndarray) -
 
 def predict_proba(spec: MLPSpec, vector: np.ndarray, x: np.ndarray) -> np.ndarray:
     """Class probabilities ``(n, n_classes)`` float64 of the model ``vector`` on ``x``."""
+    return model_predictor(spec, vector)(x)
+
+
+def model_predictor(spec: MLPSpec, vector: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:
+    """:func:`predict_proba` of one model for many inputs: the model is built once.
+
+    The returned function maps ``x`` float32 ``(n, ...)`` to class probabilities
+    ``(n, n_classes)`` float64, exactly as ``predict_proba(spec, vector, x)``.
+    """
     model = _model(spec, vector)
     model.eval()
-    with torch.no_grad():
-        return torch.softmax(model(torch.from_numpy(x)), dim=1).double().numpy()
+
+    def predict(x: np.ndarray) -> np.ndarray:
+        with torch.no_grad():
+            return torch.softmax(model(torch.from_numpy(x)), dim=1).double().numpy()
+
+    return predict
 
 
 def local_train(

@@ -146,3 +146,21 @@ def test_a_failing_device_is_a_dropout_of_the_evaluation(tmp_path):
     other = clients.secagg_masked_input(2, {0: {sid: []}})
     assert other.failed == {0: "no secure-aggregation state for this round"}
     np.testing.assert_array_equal(engine.state.cohort_models[0], sim.initial_model)
+
+
+def test_truth_is_each_clients_cohort_model_on_its_drifted_eval_data(fed):
+    """One model per cohort serves all its clients: the same numbers as each client's own
+    prediction (accuracy and clipped loss from the literal formulas)."""
+    clients = SimulatedClients(fed)
+    rng = np.random.default_rng(0)
+    models = {k: (fed.initial_model + 0.05 * rng.standard_normal(fed.initial_model.shape)
+                  ).astype(np.float32) for k in (0, 1)}
+    assign = {c: c % 2 for c in fed.client_ids}
+    out = clients.truth(3, assign, models, loss_max=5.0)  # round 3: clients 1, 4 drifted
+    assert [e.client_id for e in out] == sorted(fed.client_ids)
+    for e in out:
+        proba, ey = clients.learners[e.client_id].predict(models[assign[e.client_id]], 3)
+        p_true = np.clip(proba[np.arange(ey.shape[0]), ey], 1e-12, 1.0)
+        assert e.cohort_id == assign[e.client_id] and e.n_eval == ey.shape[0]
+        assert e.accuracy == float((proba.argmax(axis=1) == ey).mean())
+        assert e.loss == float(np.clip(-np.log(p_true).mean(), 0.0, 5.0))

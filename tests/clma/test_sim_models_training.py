@@ -74,3 +74,13 @@ def test_mean_loss_and_predict_proba_match_literal_formulas():
     zero = np.zeros_like(v)
     np.testing.assert_allclose(predict_proba(SPEC, zero, x), 0.1, atol=1e-7)
     assert mean_loss(SPEC, zero, x, y) == pytest.approx(np.log(10), abs=1e-6)
+
+
+def test_model_predictor_equals_predict_proba_bitwise():
+    from clma.sim.training import model_predictor
+
+    v = model_to_vector(SPEC.build(seed=4), AllParams())
+    predict = model_predictor(SPEC, v)  # one model, many inputs (the simulation's truth)
+    for seed, n in ((5, 7), (6, 30)):
+        x, _ = _data(n, seed=seed)
+        assert predict(x).tobytes() == predict_proba(SPEC, v, x).tobytes()

@@ -212,3 +212,69 @@ def test_registered_model_description_keeps_the_alias_placeholder(synced):
     client.update_registered_model(name, description="alias cohort-<id> = latest")
     CohortLineageTracker(client, exp, parent, name)._ensure_registered_model()
     assert client.get_registered_model(name).description == REGISTERED_MODEL_DESCRIPTION
+
+
+class _RecordingClient:
+    """The MLflow calls sync_round makes, recorded (no store): PNGs logged, in order."""
+
+    def __init__(self):
+        self.pngs: list[tuple[str, bytes]] = []
+        self.dicts: list[dict] = []
+        self._n = 0
+
+    def search_runs(self, *a, **k):
+        return []
+
+    def create_run(self, *a, **k):
+        from types import SimpleNamespace
+
+        self._n += 1
+        return SimpleNamespace(info=SimpleNamespace(run_id=f"run-{self._n}"))
+
+    def log_batch(self, *a, **k):
+        pass
+
+    def set_terminated(self, *a, **k):
+        pass
+
+    def log_dict(self, run_id, doc, artifact_file):
+        self.dicts.append(json.loads(json.dumps(doc)))
+
+    def log_artifact(self, run_id, path, artifact_path=None):
+        assert artifact_path == "lineage"
+        self.pngs.append((str(path), Path(path).read_bytes()))
+
+
+def test_lineage_png_is_drawn_when_the_graph_changed_or_at_the_last_round(tmp_path):
+    """lineage.json after every round; lineage.png only when the graph changed (a split,
+    a merge) or at the flow run's last round, rendered once: the out folder's file is the
+    one logged."""
+    from tasks.lineage import CohortLineageTracker, render_lineage_png
+
+    cfg = load_config(SMALL)
+    sim = build_federation(cfg)
+    fed = FederationEngine(cfg, sim.assets(), SimulatedClients(sim))
+    reg = fed.state.registry
+    client = _RecordingClient()
+    lt = CohortLineageTracker(client, "exp", "fed-run", "m", log_models=False)
+    out = tmp_path / "out"
+    drawn = []
+    for rnd in range(1, 6):
+        if rnd == 3:
+            reg.split(0, {0: [0, 2, 4, 6, 8], 1: [1, 3, 5, 7, 9]}, round=3)
+        before = len(client.pngs)
+        doc = lt.sync_round(fed, rnd, out_dir=out, final=rnd == 5)
+        if len(client.pngs) > before:
+            drawn.append(rnd)
+        assert client.dicts[-1] == json.loads(json.dumps(doc)) and doc["rounds_done"] == rnd
+        on_disk = json.loads((out / "lineage" / "lineage.json").read_text())
+        assert on_disk["rounds_done"] == rnd  # the JSON is current every round
+    assert drawn == [1, 3, 5]  # first draw, the split, the last round
+    path, data = client.pngs[-1]
+    assert path == str(out / "lineage" / "lineage.png") and data == Path(path).read_bytes()
+    assert data == render_lineage_png(doc, tmp_path / "again.png").read_bytes()  # round 5's
+    # a tracker without an out folder logs a temporary file of the same drawing
+    client2 = _RecordingClient()
+    lt2 = CohortLineageTracker(client2, "exp", "fed-run", "m", log_models=False)
+    lt2.sync_round(fed, 5)
+    assert [d for _, d in client2.pngs] == [data]

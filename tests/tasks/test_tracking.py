@@ -43,3 +43,13 @@ def test_every_prefect_flow_run_of_the_federation_is_recorded(mlflow_store):
 
 def test_error_bar_shares_the_values_name():
     assert error_bar_key("eval.global.accuracy") == "eval.global.accuracy.error_bar"
+
+
+def test_set_tags_writes_every_tag_in_batches_of_100(mlflow_store):
+    t = FederationTracker(mlflow_store)
+    t.start("fed-d", run_name="r", params={}, tags={})
+    want = {f"clma.t{i:03d}": f"v{i}" for i in range(250)}  # three batches: 100, 100, 50
+    t.set_tags(want)
+    t.set_tags({"clma.t000": "again"})  # a later value replaces the earlier one
+    tags = t.client.get_run(t.run_id).data.tags
+    assert {k: tags[k] for k in want} == {**want, "clma.t000": "again"}
