@@ -6,8 +6,8 @@ client's loss varies on its own scale, so one ``gamma`` misses small but persist
 on quiet clients and over-flags noisy ones. :class:`CusumDetector` standardises each rise
 by the client's own robust scale and accumulates them (Page 1954):
 
-* the first ``burn_in`` losses are only recorded (the first is the untrained model's
-  loss, whose drop dominates any scale estimate);
+* the first ``burn_in`` losses are skipped (the first is the untrained model's loss,
+  whose drop to the second would dominate any scale estimate);
 * rise ``r_t = loss_t - loss_{t-1}`` (float64);
 * scale ``s_t = max(1.4826 * MAD(R), min_scale)`` where ``R`` holds the last ``window``
   in-control rises (``MAD(R) = median(|R - median(R)|)``; 1.4826 makes it the standard
@@ -45,7 +45,7 @@ class CusumParams(BaseModel):
     """Declared parameters of :class:`CusumDetector` (also ``drift.cusum`` in the config).
 
     ``k`` reference value (in scales, >= 0), ``h`` decision interval (in scales, > 0),
-    ``burn_in`` losses recorded before rises count (>= 1), ``warmup`` in-control rises
+    ``burn_in`` losses skipped before the series starts (>= 0), ``warmup`` in-control rises
     needed before a flag (>= 2), ``window`` rises kept for the scale (>= warmup),
     ``min_scale`` floor of the scale in nats (> 0).
     """
@@ -59,8 +59,8 @@ class CusumParams(BaseModel):
     h: Annotated[float, Field(gt=0.0, le=100.0)] = Field(
         default=4.0, description="Decision interval h (scales): flag when the statistic "
         "exceeds it. k=0.5, h=4: ARL0 338 rounds, ARL 8.3 at a 1-scale shift (Siegmund).")
-    burn_in: Annotated[int, Field(ge=1, le=1000)] = Field(
-        default=1, description="Losses only recorded before rises count (the untrained "
+    burn_in: Annotated[int, Field(ge=0, le=1000)] = Field(
+        default=1, description="Losses skipped before the series starts (the untrained "
         "model's first loss).")
     warmup: Annotated[int, Field(ge=2, le=1000)] = Field(
         default=2, description="In-control rises needed before any flag.")
@@ -134,9 +134,11 @@ class CusumDetector(DriftDetector):
         value = check_loss(loss)
         p = self.params
         self.n_updates += 1
-        prev, self.previous_loss = self.previous_loss, value
         self.n_seen += 1
-        if prev is None or self.n_seen <= p.burn_in:
+        if self.n_seen <= p.burn_in:
+            return False
+        prev, self.previous_loss = self.previous_loss, value
+        if prev is None:
             return False
         rise = value - prev
         if len(self.rises) < p.warmup:
