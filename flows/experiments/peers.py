@@ -54,8 +54,10 @@ __all__ = [
     "run_ifca",
 ]
 
-#: CFL's default criteria (L2 norms of float32 model updates, same units as the model
-#: vector): measured on the bundled digits scenarios (see :func:`run_cfl`).
+#: CFL's default criteria: L2 norms of float32 model updates (the model vector's units).
+#: They are absolute, as in the paper, so they depend on the model, learning rate and
+#: local epochs: not tuned for any scenario here. ``PeerRun.details["norms"]`` records
+#: every cluster's mean and max update norm per round to choose them for a scenario.
 CFL_EPS1 = 1.0
 CFL_EPS2 = 2.0
 
@@ -235,7 +237,8 @@ def run_cfl(config: FederationConfig, seed: int, *, eps1: float = CFL_EPS1,
     updates show them, so a drift round's assignment can already separate its families.
 
     Returns a :class:`PeerRun` (``details["splits"]``: round, parent, sizes, norms and
-    ``alpha_cross_max`` of each split). Raises ValueError for a non-positive ``eps1`` /
+    ``alpha_cross_max`` of each split; ``details["norms"]``: every cluster's mean and max
+    update norm in every round, to calibrate ``eps1`` / ``eps2``). Raises ValueError for a non-positive ``eps1`` /
     ``eps2`` or ``min_cluster_size`` < 2.
     """
     if not (eps1 > 0 and eps2 > 0 and np.isfinite(eps1) and np.isfinite(eps2)):
@@ -246,6 +249,7 @@ def run_cfl(config: FederationConfig, seed: int, *, eps1: float = CFL_EPS1,
     cluster_of = dict.fromkeys(w.fed.client_ids, 0)
     models = {0: w.fed.initial_model.copy()}
     splits: list[dict[str, Any]] = []
+    norms: list[dict[str, Any]] = []
     next_id = 1
     for r in range(1, w.config.rounds + 1):
         chosen = w.select(r)
@@ -257,6 +261,8 @@ def run_cfl(config: FederationConfig, seed: int, *, eps1: float = CFL_EPS1,
             n = np.asarray([trained[c][1] for c in members], dtype=np.float64)
             mean_norm = float(np.linalg.norm((n / n.sum()) @ upd))
             max_norm = float(np.linalg.norm(upd, axis=1).max())
+            norms.append({"round": r, "cluster": k, "n": len(members),
+                          "mean_update_norm": mean_norm, "max_update_norm": max_norm})
             parts = [members]
             if (r > warmup_rounds and len(members) >= min_cluster_size
                     and mean_norm < eps1 and max_norm > eps2):
@@ -277,7 +283,7 @@ def run_cfl(config: FederationConfig, seed: int, *, eps1: float = CFL_EPS1,
                                              [trained[c][1] for c in part])
         w.record(r, {c: cluster_of[c] for c in chosen}, models)
     return w.result("cfl", {"eps1": eps1, "eps2": eps2, "min_cluster_size": min_cluster_size,
-                            "warmup_rounds": warmup_rounds, "splits": splits,
+                            "warmup_rounds": warmup_rounds, "splits": splits, "norms": norms,
                             "final_clusters": len(set(cluster_of.values()))})
 
 
