@@ -295,14 +295,23 @@ def deployment(tmp_path_factory):
             env=dict(d.env, FLWR_HOME=str(home), PATH=f"{Path(VENV) / 'bin'}:{os.environ['PATH']}"),
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True)
-    try:
-        yield d
-    finally:
+    done: list[bool] = []
+
+    def teardown() -> None:
+        if done:  # idempotent: the failure test's fixture tears it down early
+            return
+        done.append(True)
         with contextlib.suppress(ProcessLookupError):  # it and any child it left behind
             os.killpg(d.intruder.pid, signal.SIGKILL)
         d.intruder.wait()
         left = d.stop()
         assert not left, f"processes left after stop: {sorted(left)}"
+
+    d.teardown = teardown
+    try:
+        yield d
+    finally:
+        teardown()
 
 
 @pytest.fixture(scope="module")
@@ -510,9 +519,29 @@ def test_tls_and_supernode_authentication_admit_only_the_registered_nodes(
 
 
 # ------------------------------------------------------------------ 3: failures (last: stops a node)
+@pytest.fixture
+def failure_deployment(deployment, tmp_path_factory):
+    """A deployment of its own for the failure test (TLS + SuperNode auth, six nodes): the
+    test stops a node, and a fresh SuperLink keeps its resume independent of the runs the
+    shared one already holds (under load 40-55 the shared SuperLink's superexec died on
+    "database is locked" after its third Flower run). It tears the shared one down first
+    (this test runs last in the module), so the two never run at once."""
+    port0 = deployment.port
+    deployment.teardown()  # the shared one is done (this test runs last): free its cores
+    tmp = tmp_path_factory.mktemp("flower-deploy-failures")
+    port = _free_ports(1, port0 + 40)
+    d = Deployment(tmp / "run", port, _free_ports(6, port + 20), tls=tmp / "tls")
+    d.start()
+    try:
+        yield d
+    finally:
+        left = d.stop()
+        assert not left, f"processes left after stop: {sorted(left)}"
+
+
 def test_a_node_lost_mid_round_and_a_killed_orchestrator_resume_without_repeats(
-        deployment, tmp_path_factory):
-    d = deployment
+        failure_deployment, tmp_path_factory):
+    d = failure_deployment
     tmp = tmp_path_factory.mktemp("failures")
     # the local config with its secure (OpenDP) noise, over the deployment's TLS; a lost node
     # is noticed by the SuperLink (heartbeat) or by the exchange timeout; the resumed run
