@@ -12,7 +12,11 @@ import importlib
 import pkgutil
 from types import ModuleType
 
-__all__ = ["available", "load"]
+__all__ = ["HELPERS", "available", "load"]
+
+#: Modules here that are shared harness code, not experiments (no ``DESCRIPTION`` /
+#: ``run``): ``peers`` holds the CFL and IFCA baselines the experiments call.
+HELPERS = frozenset({"peers"})
 
 
 def available() -> list[str]:
@@ -20,7 +24,7 @@ def available() -> list[str]:
     return sorted(
         m.name.replace("_", "-")
         for m in pkgutil.iter_modules(__path__)
-        if not m.name.startswith("_")
+        if not m.name.startswith("_") and m.name not in HELPERS
     )
 
 
