@@ -31,6 +31,9 @@ from pydantic import (
 )
 
 from clma._validation import field_errors
+from clma.drift.cusum import CusumParams
+from clma.drift.river_detectors import ADWINParams, PageHinkleyParams
+from clma.drift.spec import DetectorSpec
 
 __all__ = [
     "ConfigError",
@@ -136,14 +139,33 @@ class DriftEvent(_Strict):
 
 
 class DriftConfig(_Strict):
-    """On-device drift detection and the simulation's injected drift schedule."""
+    """On-device drift detection and the simulation's injected drift schedule.
+
+    ``detector`` picks what each device runs on its own loss series (clma/drift):
+    ``loss_threshold`` (CLMA Algorithm 2: a rise of more than ``gamma`` nats), ``cusum``
+    (one-sided CUSUM of rises standardised by the client's own robust scale, parameters
+    ``[drift.cusum]``), ``page_hinkley`` / ``adwin`` (river's detectors, parameters
+    ``[drift.page_hinkley]`` / ``[drift.adwin]``; need the ``drift`` extra). The chosen
+    detector's parameters travel to the devices with the round's training settings.
+    """
 
     gamma: Annotated[float, Field(gt=0.0)] = Field(
         default=0.5,
         description="A client flags drift when its local loss rises by more than gamma (nats) "
-        "over its previous round (CLMA Algorithm 2).",
+        "over its previous round (CLMA Algorithm 2; detector = 'loss_threshold').",
     )
+    detector: Literal["loss_threshold", "cusum", "page_hinkley", "adwin"] = Field(
+        default="loss_threshold", description="The on-device drift detector.")
+    cusum: CusumParams = Field(default_factory=CusumParams)
+    page_hinkley: PageHinkleyParams = Field(default_factory=PageHinkleyParams)
+    adwin: ADWINParams = Field(default_factory=ADWINParams)
     events: list[DriftEvent] = Field(default_factory=list)
+
+    def detector_spec(self) -> DetectorSpec:
+        """The :class:`clma.drift.DetectorSpec` the devices receive."""
+        params = {"cusum": self.cusum, "page_hinkley": self.page_hinkley,
+                  "adwin": self.adwin}.get(self.detector)
+        return DetectorSpec.of(self.detector, params)
 
 
 class ModelConfig(_Strict):

@@ -6,7 +6,8 @@ once:
 
 * :func:`train_on_device` — the CLMA client round (Algorithm 2): the received model's
   loss on the current local data before training feeds the on-device drift detector
-  (:class:`clma.drift.LossThresholdDetector`, state keyed by round:
+  that ``settings.detector`` names (:class:`clma.drift.DetectorSpec`: the loss threshold
+  by default, or CUSUM / Page-Hinkley / ADWIN; state keyed by round:
   :class:`clma.drift.RoundKeyedState`), then local training; the reply holds the model,
   the sample count and the flag bit — never the loss;
 * :func:`quantised_report` — the on-device metric report (:func:`clma.metrics.compute_device_report`),
@@ -31,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from clma.drift import LossThresholdDetector, RoundKeyedState
+from clma.drift import RoundKeyedState
 from clma.engine.clients import ReportRequest, SecAggSession, ShareKeysRequest, TrainSettings
 from clma.privacy.secagg import (
     AdvertiseKeys,
@@ -95,10 +96,7 @@ def train_on_device(client_id: int, cohort_id: int, params: np.ndarray, settings
     round asked again (server retry) gives the same flag.
     """
     fit = learner.fit(np.asarray(params, dtype=np.float32), settings, round_number)
-    det = LossThresholdDetector(settings.drift_gamma)
-    prev = history.before(round_number)
-    if prev is not None:
-        det.load_state_dict({**prev, "gamma": float(settings.drift_gamma)})
+    det = settings.detector.restore(history.before(round_number), settings.drift_gamma)
     flag = bool(det.update(fit.pre_loss))
     history.record(round_number, det.state_dict())
     return ClientUpdate(int(client_id), int(cohort_id), np.asarray(fit.params, dtype=np.float32),

@@ -1,9 +1,20 @@
-"""On-device drift detection for CLMA: the per-round loss-threshold flag and the
-inference-time monitor (Algorithm 4)."""
+"""On-device drift detection for CLMA: the per-round loss-threshold flag, the calibrated
+sequential detectors (CUSUM; river's Page-Hinkley and ADWIN), the spec that tells a device
+which one to run, and the inference-time monitor (Algorithm 4)."""
 
+from clma.drift.cusum import CusumDetector, CusumParams, cusum_arl
 from clma.drift.detectors import DriftDetector, LossThresholdDetector, check_loss
 from clma.drift.history import RoundKeyedState
 from clma.drift.monitor import InferenceDriftMonitor
+from clma.drift.river_detectors import (
+    ADWINDetector,
+    ADWINParams,
+    PageHinkleyDetector,
+    PageHinkleyParams,
+)
+from clma.drift.spec import DETECTOR_KINDS, DetectorSpec
 
-__all__ = ["DriftDetector", "InferenceDriftMonitor", "LossThresholdDetector", "RoundKeyedState",
-           "check_loss"]
+__all__ = ["ADWINDetector", "ADWINParams", "CusumDetector", "CusumParams", "DETECTOR_KINDS",
+           "DetectorSpec", "DriftDetector", "InferenceDriftMonitor", "LossThresholdDetector",
+           "PageHinkleyDetector", "PageHinkleyParams", "RoundKeyedState", "check_loss",
+           "cusum_arl"]

@@ -55,6 +55,7 @@ from typing import TYPE_CHECKING, Generic, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
+from clma.drift.spec import DetectorSpec
 from clma.privacy.secagg import (
     AdvertiseKeys,
     EncryptedShare,
@@ -131,13 +132,15 @@ class Roster:
 @dataclass(frozen=True)
 class TrainSettings:
     """What the server tells every client about local training (like Flower's
-    ``ConfigRecord``): SGD epochs, learning rate, batch size and the drift detector's
-    ``gamma`` (nats)."""
+    ``ConfigRecord``): SGD epochs, learning rate, batch size, the loss-threshold
+    detector's ``gamma`` (nats) and which detector the device runs (``detector``, default
+    the loss threshold)."""
 
     local_epochs: int
     learning_rate: float
     batch_size: int
     drift_gamma: float
+    detector: DetectorSpec = field(default_factory=DetectorSpec)
 
 
 @dataclass(frozen=True)

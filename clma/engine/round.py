@@ -218,7 +218,8 @@ class FederationEngine:
     def train_settings(self) -> TrainSettings:
         t = self.config.training
         return TrainSettings(local_epochs=t.local_epochs, learning_rate=t.learning_rate,
-                             batch_size=t.batch_size, drift_gamma=self.config.drift.gamma)
+                             batch_size=t.batch_size, drift_gamma=self.config.drift.gamma,
+                             detector=self.config.drift.detector_spec())
 
     # ---------------------------------------------------------------- 1. select
     def select(self, round_number: int) -> list[int]:

@@ -47,6 +47,7 @@ from typing import Any
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
+from clma.drift.spec import DetectorSpec
 from clma.engine.clients import ReportRequest, SecAggSession, ShareKeysRequest, TrainSettings
 from clma.privacy.secagg import (
     SHAMIR_PRIME,
@@ -354,8 +355,20 @@ def encode_train_request(request: Any, client_id: int) -> RecordDict:
     head = _header("train", request.round, client_id, **{
         "cohort-id": cohort, "local-epochs": int(s.local_epochs),
         "learning-rate": float(s.learning_rate), "batch-size": int(s.batch_size),
-        "drift-gamma": float(s.drift_gamma)})
+        "drift-gamma": float(s.drift_gamma), "drift-detector": s.detector.to_json()})
     return RecordDict({RECORD: head, ARRAYS: _arrays(MODEL, request.models[cohort])})
+
+
+def _detector(v: Any) -> DetectorSpec:
+    """The detector spec of a train request (absent: the loss threshold, as sent by a
+    server that predates the field)."""
+    if v is None:
+        return DetectorSpec()
+    text = _text(v, f"{RECORD}.drift-detector", 4000)
+    try:
+        return DetectorSpec.from_json(text)
+    except ValueError as exc:
+        raise CodecError(f"{RECORD}.drift-detector: {exc}") from None
 
 
 def decode_train_request(content: Any) -> DeviceTrainRequest:
@@ -366,6 +379,7 @@ def decode_train_request(content: Any) -> DeviceTrainRequest:
                              open_lo=True),
         batch_size=_int(rec.get("batch-size"), f"{RECORD}.batch-size", 1, 2**31 - 1),
         drift_gamma=_float(rec.get("drift-gamma"), f"{RECORD}.drift-gamma", 0.0, 1e6),
+        detector=_detector(rec.get("drift-detector")),
     )
     return DeviceTrainRequest(int(rec["round"]), int(rec["client-id"]),
                               _int(rec.get("cohort-id"), f"{RECORD}.cohort-id"),

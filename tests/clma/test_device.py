@@ -218,3 +218,25 @@ def test_unmasking_a_session_twice_is_refused_also_after_a_round_trip():
                 d.unmask({s: reqs[s]})
     # a session the device is not in is ignored (nothing to answer)
     assert DeviceSecAgg(99, 1).unmask({"eval-1-global": reqs["eval-1-global"]}) == {}
+
+
+@pytest.mark.parametrize("kind", ["cusum", "page_hinkley", "adwin"])
+def test_the_device_runs_the_detector_the_settings_name(kind):
+    from clma.drift import DetectorSpec
+
+    spec = DetectorSpec.of(kind, {"min_scale": 0.5} if kind == "cusum" else {})
+    settings = TrainSettings(local_epochs=1, learning_rate=0.1, batch_size=8,
+                             drift_gamma=GAMMA, detector=spec)
+    losses = [2.3, 1.0, 1.0, 1.0, 1.02, 0.98, 3.5, 3.4, 1.0]
+    learner = ScriptedLearner(dict(enumerate(losses, start=1)))
+    history = RoundKeyedState()
+    flags = [train_on_device(4, 2, np.zeros(3, np.float32), settings, r, learner,
+                             history).drift_flag for r in range(1, len(losses) + 1)]
+    direct = spec.build(GAMMA)
+    assert flags == [direct.update(x) for x in losses]
+    if kind != "adwin":  # ADWIN needs longer series (tests/clma/test_drift_sequential.py)
+        assert flags[6] is True and sum(flags) == 1
+    # a round asked again starts from the previous round's state: the same flag
+    again = train_on_device(4, 2, np.zeros(3, np.float32), settings, 7, learner, history)
+    assert again.drift_flag is flags[6]
+    assert history.before(8)["kind"] == type(direct).__name__

@@ -252,3 +252,19 @@ def test_malformed_requests_are_refused_on_the_device(run_id):
         patched = (payload[:i] + (3).to_bytes(4, "little") + (0).to_bytes(4, "little")
                    + (0).to_bytes(4, "little") + payload[i + 8:])
         codec.decode_step_request("secagg_unmask", _step_reply("secagg_unmask", patched))
+
+
+def test_the_train_request_carries_the_drift_detector_spec(run_id):
+    from clma.drift import DetectorSpec
+
+    spec = DetectorSpec.of("cusum", {"k": 0.25, "h": 3.0})
+    settings = TrainSettings(2, 0.25, 8, 0.5, detector=spec)
+    req = TrainRequest(4, {3: 1}, {1: MODEL * 2}, settings)
+    content = codec.encode_train_request(req, 3)
+    assert codec.decode_train_request(content).settings == settings
+    # a server that predates the field: the loss threshold
+    del content[codec.RECORD]["drift-detector"]
+    assert codec.decode_train_request(content).settings.detector == DetectorSpec()
+    content[codec.RECORD]["drift-detector"] = '{"kind": "cusum", "params": {"h": -1.0}}'
+    with pytest.raises(CodecError, match=r"clma\.drift-detector: drift\.cusum\.h"):
+        codec.decode_train_request(content)
