@@ -15,12 +15,17 @@ from types import ModuleType
 __all__ = ["available", "load"]
 
 
+#: Modules of this package that are helpers of experiments, not experiments (no
+#: ``DESCRIPTION`` / ``add_arguments`` / ``run``): ``peers`` holds the CFL and IFCA baselines.
+HELPERS = frozenset({"peers"})
+
+
 def available() -> list[str]:
-    """Experiment names (module names with '_' shown as '-')."""
+    """Experiment names (module names with '_' shown as '-'; :data:`HELPERS` excluded)."""
     return sorted(
         m.name.replace("_", "-")
         for m in pkgutil.iter_modules(__path__)
-        if not m.name.startswith("_")
+        if not m.name.startswith("_") and m.name not in HELPERS
     )
 
 

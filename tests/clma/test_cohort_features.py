@@ -135,3 +135,109 @@ def test_cohort_quarantined_feeds_relative_rows_and_averages_parameters() -> Non
     np.testing.assert_array_equal(reference, ref)
     (new_id,) = out.new_cohorts
     np.testing.assert_allclose(models[new_id], (x[0] + x[1]) / 2, atol=1e-6)
+
+
+# ---------------------------------------------------------------- broken-stick components
+
+
+def test_broken_stick_literal_expectation() -> None:
+    from clma.cohort.projection import broken_stick_components
+
+    r = 4
+    b = [sum(1.0 / i for i in range(k, r + 1)) / r for k in range(1, r + 1)]
+    assert b[0] == pytest.approx(25 / 48)  # (1 + 1/2 + 1/3 + 1/4) / 4
+    eps = 1e-9
+    # first share just above / at its expectation
+    assert broken_stick_components(np.array([b[0] + eps, 0.3, 0.1, 0.1 - eps])) >= 1
+    assert broken_stick_components(np.array([b[0], 0.3, 0.2, 1 - b[0] - 0.5])) == 0
+    # stops at the first component below its expectation, even if a later one is above
+    ratio = np.array([0.6, 0.2, 0.15, 0.05])  # b = 0.521, 0.271, 0.146, 0.0625
+    assert broken_stick_components(ratio) == 1
+    assert broken_stick_components(np.array([])) == 0
+
+
+def test_broken_stick_keeps_the_family_split_variance_rule_drowns_it() -> None:
+    """Two families whose split holds ~20 % of the variance among 28 clients of isotropic
+    noise: 80 % of the variance needs many noise components (silhouette below the floor:
+    one cohort); the broken stick keeps the split alone (two cohorts, ARI 1)."""
+    rng = np.random.default_rng(5)
+    p, per = 4_000, 14
+    ref = rng.normal(0, 0.05, p)
+    split = rng.normal(0, 1, p)
+    split /= np.linalg.norm(split)
+    rows, fam = [], []
+    for f, sgn in enumerate((1, -1)):
+        for _ in range(per):
+            rows.append(ref + sgn * 1.2 * split + rng.normal(0, 1 / np.sqrt(p), p) * 2.4)
+            fam.append(f)
+    x = np.asarray(rows, dtype=np.float32)
+    ids = list(range(len(fam)))
+    base = dict(clusterer=AutoKMeans(random_state=0), variance_threshold=0.8)
+    today = CLMACohorter(**base, direction_rule="none").cohort(ids, x, ref.astype(np.float32))
+    better = CLMACohorter(**base, components="broken_stick", direction_rule="none").cohort(
+        ids, x, ref.astype(np.float32))
+    assert today.n_cohorts == 1
+    assert adjusted_rand_score(fam, better.labels(ids)) == 1.0
+    assert better.groups[0].n_components == 1
+
+
+def test_broken_stick_one_family_stays_one_cohort() -> None:
+    rng = np.random.default_rng(6)
+    p = 4_000
+    ref = rng.normal(0, 0.05, p)
+    drift = rng.normal(0.01, 0.01, p)
+    x = np.asarray([ref + drift + rng.normal(0, 0.01, p) for _ in range(15)], dtype=np.float32)
+    res = CLMACohorter(clusterer=AutoKMeans(random_state=0), components="broken_stick",
+                       direction_rule="none").cohort(list(range(15)), x,
+                                                     ref.astype(np.float32))
+    assert res.n_cohorts == 1
+    assert res.groups[0].reason == "no component above the broken stick"
+    assert set(res.directions.values()) == {"undirected"}
+
+
+def test_new_cohorter_options_validated_by_name() -> None:
+    with pytest.raises(ValueError, match="components"):
+        CLMACohorter(components="all")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="direction_rule"):
+        CLMACohorter(direction_rule="never")  # type: ignore[arg-type]
+
+
+def test_config_selects_the_improved_cohorter() -> None:
+    from clma.config import ConfigError, default_config, validate_config
+    from clma.engine import make_cohorter
+
+    data = default_config().model_dump()
+    assert make_cohorter(default_config()).components == "variance"
+    data["cohort"].update(components="broken_stick", direction_rule="none",
+                          features="relative")
+    co = make_cohorter(validate_config(data))
+    assert co.components == "broken_stick" and co.effective_direction_rule == "none"
+    data["cohort"]["components"] = "kaiser"
+    with pytest.raises(ConfigError, match="components"):
+        validate_config(data)
+
+
+def test_engine_records_stable_updates_and_restarts_quarantined() -> None:
+    from clma.config import default_config, validate_config
+    from clma.engine import FederationEngine, RoundContext
+
+    data = default_config().model_dump()
+    data["cohort"]["features"] = "relative"
+    eng = FederationEngine.__new__(FederationEngine)  # the step only needs these three
+    eng.config = validate_config(data)
+    eng.state = ServerState.fresh([0, 1], np.zeros(3, dtype=np.float32))
+    eng._selector = lambda v: v
+    start = np.array([1.0, 2.0, 3.0], dtype=np.float32)
+    for r, (x0, x1) in enumerate([([2, 2, 3], [1, 1, 1]), ([1, 4, 3], [0, 0, 0])], start=1):
+        ctx = RoundContext(r, [0, 1], {0: 0, 1: 0}, {0: start})
+        ctx.updates = [ClientUpdate(0, 0, np.array(x0, np.float32), 5, False),
+                       ClientUpdate(1, 0, np.array(x1, np.float32), 5, r == 2)]
+        ctx.quarantined = [1] if r == 2 else []
+        eng.record_history(ctx)
+    h = eng.state.update_history
+    np.testing.assert_allclose(h.mean(0, 0), ([1, 0, 0] + np.array([0, 2, 0])) / 2)
+    assert h.counts[0] == 2 and h.mean(1, 0) is None  # quarantined in round 2: restarted
+    data["cohort"]["features"] = "paper"
+    eng.config, eng.state.update_history = validate_config(data), None
+    eng.record_history(ctx)
+    assert eng.state.update_history is None  # paper features keep no history
