@@ -328,6 +328,8 @@ def to_markdown(doc: Mapping[str, Any]) -> str:
             r["scenario"], label, str(r["n_seeds"]), ev, _fmt(r, "mean_ari"),
             _fmt(r, "stationary_final_accuracy"), _fmt(r, "drifted_final_accuracy"),
             _fmt(r, "detection_rate"), _fmt(r, "false_flag_rate")]) + " |")
+    if doc.get("not_run"):
+        lines += ["", f"Not run ({len(doc['not_run'])}): " + "; ".join(doc["not_run"]) + "."]
     return (f"Seeds {' '.join(map(str, doc['seeds']))}; cells: mean ± sample std over seeds "
             "(simulation truth). Detection: drifted clients flagged at their drift round; "
             "false flags: flags of clients without a drift event that round (rounds 2+).\n\n"
@@ -358,6 +360,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--detectors", nargs="+", default=list(DETECTORS), choices=DETECTORS,
                         help="detectors the CLMA methods run on covariate scenarios")
     parser.add_argument("--no-tracking", action="store_true", help="do not log to MLflow")
+    parser.add_argument("--tabulate", action="store_true",
+                        help="train nothing: tabulate the runs already finished in --out "
+                        "(for runs split over several invocations) and list the missing")
 
 
 def _cached(path: Path, fingerprint: str) -> RunFigures | None:
@@ -399,10 +404,14 @@ def run(args: argparse.Namespace) -> int:
                 for seed in args.seeds:
                     plan.append((sc, m, d, seed))
     runs: list[RunFigures] = []
+    missing: list[str] = []
     for sc, m, d, seed in plan:
         name = m if d is None else f"{m}[{d}]"
         path = out / "runs" / sc / name / f"seed{seed}.json"
         rec = _cached(path, method_config(scenario_config(sc), m, seed, d).fingerprint())
+        if rec is None and getattr(args, "tabulate", False):
+            missing.append(f"{sc} {name} seed {seed}")
+            continue
         if rec is None:
             rec = run_method(sc, m, seed, d)
             _write(path, json.dumps(_row(rec), indent=1, sort_keys=True) + "\n")
@@ -414,7 +423,8 @@ def run(args: argparse.Namespace) -> int:
     doc = {"schema": "clma.experiment.realistic-drift/1",
            "note": "simulation ground truth; never part of a private release",
            "seeds": sorted(set(args.seeds)), "scenarios": list(args.scenarios),
-           "table": aggregate(runs), "per_seed": [_row(r) for r in runs],
+           "table": aggregate(runs) if runs else [], "per_seed": [_row(r) for r in runs],
+           "not_run": missing,
            "mlflow_parent_run_id": None}
     if not args.no_tracking:
         doc["mlflow_parent_run_id"] = _log_mlflow(doc, runs)

@@ -71,3 +71,27 @@ def test_bad_seeds_exit_2(capsys) -> None:
                             detectors=["cusum"], out=None, no_tracking=True)
     assert rd.run(ns) == 2
     assert "--seeds" in capsys.readouterr().err
+
+
+def test_tabulate_uses_finished_runs_only(tmp_path) -> None:
+    import json
+
+    cfg = rd.method_config(rd.scenario_config("label2-a1"), "cfl", 0)
+    rec = rd.RunFigures("label2-a1", "cfl", 0, {"4": 0.5, "7": 1.0}, 0.9, 0.8,
+                        config_fingerprint=cfg.fingerprint())
+    path = tmp_path / "runs" / "label2-a1" / "cfl" / "seed0.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(rd._row(rec)))
+    stale = tmp_path / "runs" / "label2-a1" / "ifca" / "seed0.json"
+    stale.parent.mkdir(parents=True)
+    stale.write_text(json.dumps({**rd._row(rec), "method": "ifca",
+                                 "config_fingerprint": "another config"}))
+    ns = argparse.Namespace(seeds=[0], scenarios=["label2-a1"], methods=["cfl", "ifca"],
+                            detectors=["cusum"], out=tmp_path, no_tracking=True,
+                            tabulate=True)
+    assert rd.run(ns) == 0
+    doc = json.loads((tmp_path / "results.json").read_text())
+    assert [r["method"] for r in doc["table"]] == ["cfl"]
+    assert doc["table"][0]["mean_ari_mean"] == 0.75
+    assert doc["not_run"] == ["label2-a1 ifca seed 0"]  # a stale fingerprint is not reused
+    assert "Not run (1): label2-a1 ifca seed 0." in (tmp_path / "results.md").read_text()
