@@ -47,9 +47,11 @@ Label-skewed clients (``components="broken_stick"``, off by default). A fixed va
 share keeps too many components when the clients' own noise grows: on the default scenario
 with Dirichlet(alpha) label skew (docs/realistic_drift.md), the split between two opposite
 drift families is still the leading component of the centered Gram matrix (eigenvalue
-4.4-5.6 against 1.2-2.1 for the next ones at alpha 1 and 0.5), but it holds only 17-23 % of
-the variance, so 80 % keeps ~20 components of client noise, the silhouette falls below its
-floor and both families become one cohort. The broken-stick rule keeps the components that
+4.4-5.6 against 1.5-2.1 for the next one at alpha 1 and 0.5), but it holds only 17-23 % of
+the variance, so 80 % keeps 11-14 components of client noise per direction group, the
+silhouette falls below its floor and both families become one cohort; and the KS sign
+follows the clients' own noise more than the drift (both families mostly "undirected", the
+"positive" group mixed), hence ``direction_rule="none"`` with it. The broken-stick rule keeps the components that
 explain more than random sticks would (there: only the family split; for one family,
 none, so it stays one cohort).
 
