@@ -3,10 +3,12 @@
 CLMA (Adarsh N L et al., CODS-COMAD 2024, Algorithm 3) cohorts quarantined clients by
 their parameter vectors ``x_i`` against the reference ``r`` (the model they started from),
 i.e. by the displacement ``d_i = x_i - r``. Under label-skewed (non-IID) clients ``d_i``
-is the sum of a stable component (the pull towards the client's own label mix, present in
-every round) and the drift; when the skew is strong the stable component dominates the
-signed KS direction and the Gram PCA, and opposite drift families share one cohort
-(measured in docs/realistic_drift.md).
+could be dominated by a stable component (the pull towards the client's own label mix,
+present in every round); this option cancels it. Measured on the default scenario
+(docs/realistic_drift.md) it does not help: the label mix explains little of ``d_i``, and
+the history mean's common learning direction makes the families *more* alike. The fix
+used there is ``components="broken_stick"`` (:mod:`clma.cohort.cohorter`); this option
+stays for comparison.
 
 ``features = "relative"`` cohorts by the change of the client's update instead:
 
