@@ -275,6 +275,27 @@ class CohortConfig(_Strict):
     max_k: Annotated[int, Field(ge=2)] = 10
     min_silhouette: Annotated[float, Field(ge=-1.0, le=1.0)] = 0.25
     merge_cohorts_threshold: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    components: Literal["variance", "broken_stick"] = Field(
+        default="variance",
+        description="Principal components kept per direction group: 'variance' = the fewest "
+        "reaching variance_threshold (CLMA Algorithm 3); 'broken_stick' = those above the "
+        "broken-stick expectation (separates drift families under label-skewed clients; "
+        "clma.cohort.cohorter, a documented departure).",
+    )
+    direction_rule: Literal["auto", "established", "sign", "none"] = Field(
+        default="auto",
+        description="Which signed-KS directions split the quarantined clients "
+        "(clma.cohort.CLMACohorter): 'auto' = 'established' when centering, else 'sign' "
+        "(the paper); 'none' = one group for all, used with components='broken_stick' "
+        "under label-skewed clients.",
+    )
+    features: Literal["paper", "relative"] = Field(
+        default="paper",
+        description="What the cohorter compares: 'paper' = the clients' parameter vectors "
+        "(CLMA Algorithm 3); 'relative' = each client's update minus the running mean of "
+        "its own previous stable updates, which cancels a label-skewed client's stable "
+        "component (clma.cohort.features; a documented departure).",
+    )
 
 
 class EvaluationConfig(_Strict):

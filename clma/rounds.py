@@ -36,6 +36,7 @@ import numpy as np
 
 if TYPE_CHECKING:  # the cohorting stack (scikit-learn) is imported where it is used
     from clma.cohort import Cohorter, CohortRegistry
+    from clma.cohort.features import UpdateHistory
 
 
 __all__ = [
@@ -181,6 +182,7 @@ def cohort_quarantined(
     new_model: Callable[[int, list[ClientUpdate], np.ndarray], np.ndarray] | None = None,
     weights: Mapping[int, float] | None = None,
     atypical: Collection[int] = (),
+    history: UpdateHistory | None = None,
 ) -> tuple[dict[int, np.ndarray], CohortingOutcome]:
     """Group quarantined clients into new child cohorts (CLMA Algorithm 3).
 
@@ -206,6 +208,11 @@ def cohort_quarantined(
     atypical for its old cohort by construction and must not be stranded there.
     ``atypical`` (the round's flagged clients) is counted per source in
     ``outcome.diagnostics[source]["n_atypical"]``.
+
+    ``history`` (``cohort.features = "relative"``): the cohorter gets the rows
+    ``r + (d_i - m_i)`` instead of the parameter vectors, ``m_i`` the client's mean previous
+    stable update in the source cohort (selected sub-vector; :mod:`clma.cohort.features`);
+    the new cohorts' models are still the FedAvg of the members' parameter vectors.
     """
     pick = select if select is not None else (lambda v: v)
     flagged = {int(c) for c in atypical}
@@ -219,6 +226,11 @@ def cohort_quarantined(
     for source, members in sorted(by_source.items()):
         matrix = np.stack([pick(by_id[c].params) for c in members]).astype(np.float32, copy=False)
         reference = np.asarray(pick(refs[source]), dtype=np.float32)
+        if history is not None:
+            from clma.cohort.features import relative_rows
+
+            matrix = relative_rows(matrix, reference,
+                                   [history.mean(c, source) for c in members])
         assignment = cohorter.cohort(members, matrix, reference)
         groups: dict[int, list[int]] = defaultdict(list)
         for c in members:

@@ -43,6 +43,18 @@ Defaults, and why they differ from the published form:
   ulps) is not a drift that float32 training can represent; real families are apart by
   1e-2 and more of that scale. The published form (``center=False``) keeps no floor.
 
+Label-skewed clients (``components="broken_stick"``, off by default). A fixed variance
+share keeps too many components when the clients' own noise grows: on the default scenario
+with Dirichlet(alpha) label skew (docs/realistic_drift.md), the split between two opposite
+drift families is still the leading component of the centered Gram matrix (eigenvalue
+4.4-5.6 against 1.5-2.1 for the next one at alpha 1 and 0.5), but it holds only 17-23 % of
+the variance, so 80 % keeps 11-14 components of client noise per direction group, the
+silhouette falls below its floor and both families become one cohort; and the KS sign
+follows the clients' own noise more than the drift (both families mostly "undirected", the
+"positive" group mixed), hence ``direction_rule="none"`` with it. The broken-stick rule keeps the components that
+explain more than random sticks would (there: only the family split; for one family,
+none, so it stays one cohort).
+
 Groups are processed in the order positive, negative, undirected, no_shift; the returned
 local cohort ids are contiguous from 0 in order of first appearance over ``client_ids``.
 """
@@ -69,6 +81,7 @@ from clma.cohort.projection import (
     DEFAULT_BLOCK_BYTES,
     centered_subgram,
     displacement_gram,
+    gram_matrix,
     gram_pca_details,
     gram_pca_from_gram,
 )
@@ -84,7 +97,7 @@ __all__ = [
 ]
 
 ClientId = Hashable
-DirectionRule = Literal["auto", "established", "sign"]
+DirectionRule = Literal["auto", "established", "sign", "none"]
 DIRECTIONS = ("positive", "negative", "undirected", "no_shift")
 DEFAULT_SPREAD_FLOOR = 1e-5
 
@@ -257,10 +270,21 @@ class CLMACohorter(Cohorter):
         ``sqrt(||r||^2 + max ||x_i - r||^2)`` is one cohort (reason "spread below the
         floor"), so floating-point noise never splits identically drifted clients. "auto"
         (default): 1e-5 when centering, ``None`` (no floor: the published form) otherwise.
+    components:
+        How many principal components each direction group keeps. "variance" (default,
+        the published rule): the fewest reaching ``variance_threshold``. "broken_stick": the
+        leading components whose share of variance exceeds the broken-stick expectation
+        (:func:`clma.cohort.projection.broken_stick_components`); a group with none is one
+        cohort (reason "no component above the broken stick"). A documented departure
+        (module docs, "Label-skewed clients").
     direction_rule:
         "sign": trust the KS sign always (published). "established": trust it only when
         ``|D+ - D-| > ks_critical_value(direction_alpha, n_params, n_params)``, otherwise the
-        client is "undirected". "auto" (default): "established" if ``center`` else "sign".
+        client is "undirected". "none": no sign is trusted, every client (above
+        ``min_ks_magnitude``) is "undirected", so one Gram PCA sees all of them (used with
+        ``components="broken_stick"`` under label-skewed clients, where the KS sign follows
+        the client's label mix more than its drift: module docs). "auto" (default):
+        "established" if ``center`` else "sign".
     direction_alpha:
         Significance level of the "established" rule, in (0, 1) (default 0.05).
     n_jobs:
@@ -300,7 +324,8 @@ class CLMACohorter(Cohorter):
                  direction_alpha: float = 0.05, n_jobs: int | None = None,
                  block_bytes: int = DEFAULT_BLOCK_BYTES,
                  reconcile_similarity: float | None | Literal["auto"] = "auto",
-                 spread_floor: float | None | Literal["auto"] = "auto") -> None:
+                 spread_floor: float | None | Literal["auto"] = "auto",
+                 components: Literal["variance", "broken_stick"] = "variance") -> None:
         if not isinstance(clusterer, Clusterer):
             raise TypeError("clusterer: must be a clma.cohort.Clusterer")
         v = float(variance_threshold)
@@ -309,8 +334,8 @@ class CLMACohorter(Cohorter):
         m = float(min_ks_magnitude)
         if not (0.0 <= m <= 1.0):
             raise ValueError("min_ks_magnitude: must lie in [0, 1]")
-        if direction_rule not in ("auto", "established", "sign"):
-            raise ValueError("direction_rule: must be 'auto', 'established' or 'sign'")
+        if direction_rule not in ("auto", "established", "sign", "none"):
+            raise ValueError("direction_rule: must be 'auto', 'established', 'sign' or 'none'")
         if not (0.0 < float(direction_alpha) < 1.0):
             raise ValueError("direction_alpha: must lie in (0, 1)")
         if n_jobs is not None and (int(n_jobs) != n_jobs or n_jobs < 1):
@@ -331,6 +356,9 @@ class CLMACohorter(Cohorter):
             if not (0.0 <= sf < 1.0):
                 raise ValueError("spread_floor: must be 'auto', None or lie in [0, 1)")
             spread_floor = sf
+        if components not in ("variance", "broken_stick"):
+            raise ValueError("components: must be 'variance' or 'broken_stick'")
+        self.components = components
         self.spread_floor = spread_floor
         self.reconcile_similarity = reconcile_similarity
         self.clusterer = clusterer
@@ -357,7 +385,7 @@ class CLMACohorter(Cohorter):
         return self.spread_floor
 
     @property
-    def effective_direction_rule(self) -> Literal["established", "sign"]:
+    def effective_direction_rule(self) -> Literal["established", "sign", "none"]:
         """The rule in force: "auto" resolves to "established" if centering, else "sign"."""
         if self.direction_rule == "auto":
             return "established" if self.center else "sign"
@@ -369,7 +397,7 @@ class CLMACohorter(Cohorter):
                 f"min_ks_magnitude={self.min_ks_magnitude}, "
                 f"direction_rule={self.direction_rule!r}, direction_alpha={self.direction_alpha}, "
                 f"reconcile_similarity={self.reconcile_similarity!r}, "
-                f"spread_floor={self.spread_floor!r})")
+                f"spread_floor={self.spread_floor!r}, components={self.components!r})")
 
     def ks_components(self, matrix: np.ndarray, reference: np.ndarray) -> list[KSComponents]:
         """One-sided KS distances of every row against the reference (sorted once)."""
@@ -387,6 +415,8 @@ class CLMACohorter(Cohorter):
     def _direction(self, comp: KSComponents, threshold: float | None) -> str:
         if abs(comp.signed) < self.min_ks_magnitude:
             return "no_shift"
+        if self.effective_direction_rule == "none":
+            return "undirected"
         if threshold is not None and not comp.direction_gap > threshold:
             return "undirected"
         return "positive" if comp.sign > 0 else "negative"
@@ -503,14 +533,25 @@ class CLMACohorter(Cohorter):
             else:
                 if disp is not None and self.center:  # centered Gram from the one pass
                     pca = gram_pca_from_gram(centered_subgram(disp, rows),
-                                             self.variance_threshold)
+                                             self.variance_threshold, self.components)
+                elif self.components == "broken_stick":
+                    pca = gram_pca_from_gram(
+                        gram_matrix(mat, np.asarray(rows), center=self.center,
+                                    block_bytes=self.block_bytes),
+                        self.variance_threshold, self.components)
                 else:
                     pca = gram_pca_details(mat, self.variance_threshold, self.center,
                                            rows=np.asarray(rows), block_bytes=self.block_bytes)
-                res = self.clusterer.fit_predict_details(pca.scores)
-                sub = res.labels
-                diag_parts.append((direction, rows, pca.n_components, pca.retained_variance,
-                                   res.k, dict(res.silhouettes), res.reason))
+                if self.components == "broken_stick" and pca.n_components == 0:
+                    sub = np.zeros(len(rows), dtype=np.int64)
+                    diag_parts.append((direction, rows, 0, 0.0, 1, {},
+                                       "no component above the broken stick"))
+                else:
+                    res = self.clusterer.fit_predict_details(pca.scores)
+                    sub = res.labels
+                    diag_parts.append((direction, rows, pca.n_components,
+                                       pca.retained_variance, res.k, dict(res.silhouettes),
+                                       res.reason))
             for r, s in zip(rows, sub.tolist(), strict=True):
                 group_labels[r] = (direction, int(s))
 

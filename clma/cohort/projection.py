@@ -166,8 +166,34 @@ class GramPCAResult:
         return float(self.explained_variance_ratio.sum())
 
 
-def gram_pca_from_gram(gram: np.ndarray, variance_threshold: float = 0.95) -> GramPCAResult:
-    """PCA projection from a precomputed ``(n, n)`` Gram matrix (see :func:`gram_pca`)."""
+def broken_stick_components(ratio: np.ndarray) -> int:
+    """Leading components that explain more than the broken-stick expectation.
+
+    With ``r`` components, the broken-stick model (Frontier 1976; Jackson 1993, Ecology
+    74(8)) expects the k-th largest share of variance of ``r`` random sticks to be
+    ``b_k = (1 / r) * sum_{i=k}^{r} 1 / i``; the rule keeps components 1..k while each
+    ``ratio[j] > b_j`` and stops at the first that does not. ``ratio``: ``(r,)``
+    descending explained-variance ratios summing to 1. Returns k in [0, r].
+    """
+    ratio = np.asarray(ratio, dtype=np.float64)
+    r = ratio.shape[0]
+    if r == 0:
+        return 0
+    expected = np.cumsum(1.0 / np.arange(r, 0, -1))[::-1] / r
+    above = ratio > expected
+    return r if above.all() else int(np.argmin(above))
+
+
+def gram_pca_from_gram(gram: np.ndarray, variance_threshold: float = 0.95,
+                       components: str = "variance") -> GramPCAResult:
+    """PCA projection from a precomputed ``(n, n)`` Gram matrix (see :func:`gram_pca`).
+
+    ``components``: "variance" keeps the components that reach ``variance_threshold``
+    (below); "broken_stick" keeps the leading components above the broken-stick
+    expectation (:func:`broken_stick_components`; may keep 0), ignoring the threshold.
+    """
+    if components not in ("variance", "broken_stick"):
+        raise ValueError("components: must be 'variance' or 'broken_stick'")
     v = _check_threshold(variance_threshold)
     n = gram.shape[0]
     if n == 0:
@@ -183,7 +209,9 @@ def gram_pca_from_gram(gram: np.ndarray, variance_threshold: float = 0.95) -> Gr
     lam = lam[:rank]
     vec = vec[:, :rank]
     ratio = lam / lam.sum()
-    if v >= 1.0:
+    if components == "broken_stick":
+        k = broken_stick_components(ratio)
+    elif v >= 1.0:
         k = rank
     else:
         k = int(np.searchsorted(np.cumsum(ratio), v, side="right")) + 1

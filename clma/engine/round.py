@@ -84,6 +84,8 @@ def make_cohorter(config: FederationConfig) -> CLMACohorter:
         variance_threshold=c.variance_threshold,
         center=c.center,
         min_ks_magnitude=c.min_ks_magnitude,
+        components=c.components,
+        direction_rule=c.direction_rule,
     )
 
 
@@ -369,8 +371,36 @@ class FederationEngine:
             ctx.updates, ctx.quarantined, ctx.models, self.state.registry, self.cohorter,
             ctx.round, select=self._selector, start_models=ctx.start_models,
             new_model=new_model, weights=ctx.weights,
-            atypical=ctx.divergence.flagged if ctx.divergence is not None else ())
+            atypical=ctx.divergence.flagged if ctx.divergence is not None else (),
+            history=self._history())
         return ctx.cohorting
+
+    def _history(self) -> Any:
+        """The update history under ``cohort.features = "relative"`` (else None)."""
+        if self.config.cohort.features != "relative":
+            return None
+        if self.state.update_history is None:
+            from clma.cohort.features import UpdateHistory
+
+            self.state.update_history = UpdateHistory()
+        return self.state.update_history
+
+    def record_history(self, ctx: RoundContext) -> None:
+        """Under ``cohort.features = "relative"``: add each non-quarantined update
+        ``x - r`` (cohorting sub-vector, ``r`` its start model) to its client's history and
+        restart the history of each quarantined client (:mod:`clma.cohort.features`)."""
+        history = self._history()
+        if history is None:
+            return
+        held = set(ctx.quarantined)
+        for u in ctx.updates:
+            if u.client_id in held:
+                history.reset(u.client_id)
+            else:
+                start = ctx.start_models[u.cohort_id]
+                history.observe(u.client_id, u.cohort_id,
+                                self._selector(u.params).astype(np.float64)
+                                - self._selector(start).astype(np.float64))
 
     # ---------------------------------------------------------------- 7. merge
     def merge(self, ctx: RoundContext) -> list[tuple[list[int], int]]:
@@ -389,10 +419,12 @@ class FederationEngine:
 
     # ---------------------------------------------------------------- 8. end training
     def end_training(self, ctx: RoundContext) -> None:
-        """Install the round's cohort models and record the round in the registry."""
+        """Install the round's cohort models, record the round in the registry and, under
+        relative cohorting features, the round's updates in the clients' histories."""
         reg = self.state.registry
         self.state.cohort_models = {c: ctx.models[c] for c in reg.active_cohorts()}
         reg.record_round(ctx.round)
+        self.record_history(ctx)
 
     # ---------------------------------------------------------------- 9. evaluate
     def evaluation_due(self, round_number: int) -> bool:

@@ -74,6 +74,10 @@ class ServerState:
         divergence_persistence: signal (``representation`` / ``parameter``) -> client id ->
             EWMA ``s`` of its clipped robust z (:mod:`clma.divergence.flags`); empty until
             the first scored round. Server-internal, keyed by client id, never published.
+        update_history: under ``cohort.features = "relative"``, each client's running mean
+            of its previous stable updates (:class:`clma.cohort.features.UpdateHistory`), a
+            function of updates the server already received in the clear; server-internal,
+            never published. None otherwise.
     """
 
     registry: CohortRegistry
@@ -83,6 +87,7 @@ class ServerState:
     rounds_done: int = 0
     selection_key: bytes | None = None
     divergence_persistence: dict[str, dict[int, float]] = field(default_factory=dict)
+    update_history: Any = None
 
     @classmethod
     def fresh(cls, client_ids: list[int], initial_model: np.ndarray) -> ServerState:
@@ -110,7 +115,8 @@ def _json_bytes(obj: Any) -> bytes:
 def snapshot_files(state: ServerState) -> dict[str, bytes]:
     """The state as snapshot files: ``registry.json``, ``models.npz`` (cohort models and
     merge reference, float32), ``evaluation.json`` (null before the first evaluation) and,
-    once the sampling key exists, ``selection.json`` (server-internal secret)."""
+    once the sampling key exists, ``selection.json`` (server-internal secret); under
+    relative cohorting features ``update_history.npz`` (server-internal)."""
     buf = io.BytesIO()
     arrays = {f"cohort_{c}": np.asarray(v, dtype=np.float32)
               for c, v in sorted(state.cohort_models.items())}
@@ -129,6 +135,10 @@ def snapshot_files(state: ServerState) -> dict[str, bytes]:
         out["divergence.json"] = _json_bytes({
             sig: {str(c): float(v) for c, v in sorted(m.items())}
             for sig, m in sorted(state.divergence_persistence.items())})
+    if state.update_history is not None:
+        hbuf = io.BytesIO()
+        np.savez(hbuf, **state.update_history.to_arrays())
+        out["update_history.npz"] = hbuf.getvalue()
     return out
 
 
@@ -160,6 +170,12 @@ def restore_files(files: Mapping[str, bytes], rounds_done: int) -> ServerState:
         doc = json.loads(files["divergence.json"].decode("utf-8"))
         persistence = {str(sig): {int(c): float(v) for c, v in m.items()}
                        for sig, m in doc.items()}
+    history = None
+    if "update_history.npz" in files:
+        from clma.cohort.features import UpdateHistory
+
+        with np.load(io.BytesIO(files["update_history.npz"])) as z:
+            history = UpdateHistory.from_arrays({k: z[k] for k in z.files})
     return ServerState(registry=registry, cohort_models=models, merge_reference=ref,
                        evaluation=ev, rounds_done=int(rounds_done), selection_key=key,
-                       divergence_persistence=persistence)
+                       divergence_persistence=persistence, update_history=history)

@@ -19,8 +19,13 @@ __all__ = ["HELPERS", "available", "load"]
 HELPERS = frozenset({"peers"})
 
 
+#: Modules of this package that are helpers of experiments, not experiments (no
+#: ``DESCRIPTION`` / ``add_arguments`` / ``run``): ``peers`` holds the CFL and IFCA baselines.
+HELPERS = frozenset({"peers"})
+
+
 def available() -> list[str]:
-    """Experiment names (module names with '_' shown as '-')."""
+    """Experiment names (module names with '_' shown as '-'; :data:`HELPERS` excluded)."""
     return sorted(
         m.name.replace("_", "-")
         for m in pkgutil.iter_modules(__path__)
