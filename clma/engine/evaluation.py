@@ -63,6 +63,8 @@ versions, evaluation count) in ``ServerState.evaluation``.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import math
 import secrets
 from collections.abc import Collection, Mapping, Sequence
@@ -486,8 +488,9 @@ class PrivateEvaluator:
         :func:`clma.privacy.secagg.secagg_plus_parameters` (Bell et al. 2020). The dropouts
         tolerated are at most what the cohort floor allows (a sum over fewer than m
         clients is never unmasked: clients refuse it, ``min_survivors = m``). The graph
-        seed is drawn from the operating system's CSPRNG (``secrets``), never from the
-        published federation seed -- except with seeded noise (experiments and tests,
+        seed is HMAC-SHA256 of (round, group) under the server's secret key (32 bytes from
+        ``secrets``, kept in the state folder, ``ServerState.selection_key``), never derived
+        from the published federation seed -- except with seeded noise (experiments and tests,
         labelled not private), where it is derived from (seed, round, group) so that a
         simulation with dropouts is reproducible.
         """
@@ -514,7 +517,7 @@ class PrivateEvaluator:
                 neighbour_degree=None if p.degree >= n - 1 else p.degree,
                 round_id=f"eval-{round_number}-{name}", graph_seed=(
                     region_seed(self.config.seed * 1000 + round_number, name) % 2**63
-                    if ev.noise_seeded else secrets.randbits(63)),
+                    if ev.noise_seeded else self._graph_seed(round_number, name)),
                 corrupted_fraction=ev.secagg_corrupted_fraction, dropout_fraction=delta,
                 statistical_security=ev.secagg_statistical_security,
                 correctness=ev.secagg_correctness,
@@ -522,6 +525,20 @@ class PrivateEvaluator:
                 client_ids=tuple(sorted(int(c) for c in members)), **extra)
         except ValueError:
             return None
+
+    def _graph_seed(self, round_number: int, name: str) -> int:
+        """HMAC-SHA256(server secret, round, group) as a 63-bit graph seed: as unpredictable
+        as a fresh CSPRNG draw to anyone without the server's state folder, and the same
+        for a re-run of the round from durable state, so that a resumed round re-sends the
+        exact request the devices already answered (a fresh draw made every resumed
+        exchange differ from the recorded one: devices refused it and the round's
+        evaluation was lost)."""
+        st = self.server_state
+        if st.selection_key is None:
+            st.selection_key = secrets.token_bytes(32)
+        digest = hmac.new(st.selection_key, f"clma-secagg-graph|{round_number}|{name}".encode(),
+                          hashlib.sha256).digest()
+        return int.from_bytes(digest[:8], "little") % 2**63
 
     @property
     def distributed(self) -> bool:

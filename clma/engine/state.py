@@ -68,9 +68,11 @@ class ServerState:
         evaluation: the evaluation path's state (:class:`clma.engine.evaluation.EvaluationState`),
             created at the first evaluation.
         rounds_done: last completed round (0 before the first).
-        selection_key: 32-byte secret of the client sampling under secure DP-FedAvg
-            (None until first used; server-internal, never published): the sample is not
-            derivable from published values (the seed is published).
+        selection_key: 32-byte server secret (None until first used; server-internal,
+            never published) keying the client sampling under secure DP-FedAvg and the
+            secure-aggregation graph seeds under secure noise: neither is derivable from
+            published values (the seed is published), and both are the same when a round
+            is re-run from durable state.
         divergence_persistence: signal (``representation`` / ``parameter``) -> client id ->
             EWMA ``s`` of its clipped robust z (:mod:`clma.divergence.flags`); empty until
             the first scored round. Server-internal, keyed by client id, never published.

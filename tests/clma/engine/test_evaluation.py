@@ -271,3 +271,34 @@ def test_configured_policy_floor_reaches_the_cohort_floor_and_the_envelopes(
     assert "accuracy/central.json" not in out.envelopes  # never released on its own
     north = FederatedMetricEnvelope.from_json(out.envelopes["accuracy/north.json"])
     assert north.participant_count_band.value == "minimum_to_under_double"  # 7 <= n < 14
+
+
+def test_secure_graph_seed_is_keyed_by_the_server_secret_and_survives_a_resume(
+        tiny_config, make_engine):
+    """Under secure noise the SecAgg+ graph seed is HMAC-SHA256(server key, round|group)
+    (not derivable from the published seed), and the same after the state is saved and
+    restored, so a resumed round re-sends the request the devices already answered."""
+    import hashlib
+    import hmac
+
+    from clma.engine.state import restore_files, snapshot_files
+
+    cfg = tiny_config(evaluation={"noise_seeded": False})
+    eng = make_engine(cfg)
+    members = list(range(8))
+    first = eng.evaluator.session_config("north", members, 2, 32)
+    key = eng.state.selection_key
+    assert first is not None and key is not None and len(key) == 32
+    want = int.from_bytes(hmac.new(key, b"clma-secagg-graph|2|north", hashlib.sha256)
+                          .digest()[:8], "little") % 2**63
+    assert first.graph_seed == want
+    assert eng.evaluator.session_config("north", members, 2, 32).graph_seed == want
+    assert eng.evaluator.session_config("north", members, 4, 32).graph_seed != want
+    assert eng.evaluator.session_config("south", members, 2, 32).graph_seed != want
+    # a new engine on the restored state (a resume) draws the same seed ...
+    restored = restore_files(snapshot_files(eng.state), eng.state.rounds_done)
+    again = make_engine(cfg, state=restored).evaluator.session_config("north", members, 2, 32)
+    assert again.graph_seed == want
+    # ... and another federation's key another one
+    other = make_engine(cfg).evaluator.session_config("north", members, 2, 32)
+    assert other.graph_seed != want
