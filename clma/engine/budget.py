@@ -351,8 +351,10 @@ def republish_entry(evaluator: PrivateEvaluator, ev: EvaluationRound, plan: Char
 
 def _borrow_amount(budget: BudgetState, plans: Sequence[ChargePlan], round_number: int,
                    line: LineItem, reservation: Reservation) -> float:
-    """Epsilon to ask for: the refused entry's shortfall plus what this line's Laplace
-    entries need in the epoch's remaining rounds of this run, capped at the policy's limit
+    """Epsilon to ask for: the refused entry's shortfall plus what this line's entries
+    with an epsilon (Laplace, and zCDP entries at the epsilon they were calibrated to:
+    basic composition, an upper bound of their RDP composition) need in the epoch's
+    remaining rounds of this run, capped at the policy's limit
     (``max_fraction_of_next_epoch`` of the next epoch's line); a shortfall above the limit
     is asked as is (and refused by the rule)."""
     cap = float(reservation.line_cap_epsilon or 0.0)
@@ -361,7 +363,8 @@ def _borrow_amount(budget: BudgetState, plans: Sequence[ChargePlan], round_numbe
     policy, cfg = budget.policy, budget.config
     epoch = policy.epoch_of_round(ledger_round(round_number))
     per_round = math.fsum(
-        float(p.epsilon) for p in plans if p.line is line and p.mechanism == "laplace"  # type: ignore[arg-type]
+        float(p.epsilon) for p in plans
+        if p.line is line and p.mechanism in ("laplace", "zcdp") and p.epsilon is not None
     )
     later = 0
     for rn in range(round_number + 1, cfg.rounds + 1):
