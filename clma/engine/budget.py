@@ -31,6 +31,12 @@ order:
    the entry committed, records the stored results without drawing noise
    (``republished``); a refused entry draws no noise and is reported with its reason.
 
+Distributed mode (``evaluation.noise = "distributed"``): the server itself is what the
+devices' noise protects against, so the noised regional entries go through steps 1-3
+BEFORE secure aggregation (:func:`charge_distributed`), and only the metrics of freshly
+granted entries are unmasked (:meth:`DistributedCharges.unmask`); step 4 then commits
+them with the released results. A charged group lost to dropouts stays charged.
+
 Training (:func:`dp_reserve` / :func:`dp_aggregate` / :func:`dp_commit`): with
 ``training.dp.enabled``, DP-FedAvg (:func:`clma.rounds.dp_aggregate_per_cohort`) after one
 training charge per round. A refused charge means *training backs off*: no aggregation
@@ -602,8 +608,9 @@ def budgeted_evaluation(
         for name in SCALAR_METRICS:
             if f"regional.{name}" in info["released"] + info["republished"]:
                 for rel in evaluator.releases_of(ev, f"global.{name}"):
-                    evaluator.record(ev, rel, evaluator.compute(ev.sums, rel))
-                    info["released"].append(f"global.{name}")
+                    if evaluator.has_sum(ev.sums, rel):
+                        evaluator.record(ev, rel, evaluator.compute(ev.sums, rel))
+                        info["released"].append(f"global.{name}")
     out["metrics"] = {k: v for k, v in out["metrics"].items() if v is not None}
     out["budget"] = info
     return out

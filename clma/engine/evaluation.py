@@ -55,7 +55,10 @@ is drawn from the round's :class:`SecureSums`. The ledger path
 (:meth:`PrivateEvaluator.restore`) into an :class:`EvaluationRound`;
 :meth:`PrivateEvaluator.finish` closes the round (suppressed envelopes, alerts, monitoring
 merges, clip-bound re-derivation, the published report). Groups are disjoint, so every
-group spends the full regional epsilon (parallel composition).
+group spends the full regional epsilon (parallel composition). In distributed mode with
+the ledger, the noised releases are charged before :meth:`PrivateEvaluator.secure_sums`
+(:func:`clma.engine.budget.charge_distributed`), whose ``unmask`` names the charged
+metrics: the server never unmasks a noisy sum the ledger has not charged.
 
 State across rounds: :class:`EvaluationState` (alert baselines, merge tracker, clip-bound
 versions, evaluation count) in ``ServerState.evaluation``.
@@ -188,7 +191,8 @@ class GroupSum:
     is not evaluated this round), ``refused`` (unchanged models), ``not_unmasked``
     (distributed mode: no noised release was charged, so no session was formed).
     ``sum`` is the de-quantised float64 ``(32,)`` sum over the contributors (None unless
-    ok).
+    ok). ``noised`` (distributed mode): the metrics whose noisy sums the session carried
+    (the other coordinates are 0).
     """
 
     group: str
@@ -201,6 +205,7 @@ class GroupSum:
     sum_quantised: np.ndarray | None = None
     threshold: int = 0
     noise: GroupNoise | None = None
+    noised: tuple[str, ...] = ()
 
 
 @dataclass
@@ -696,7 +701,8 @@ class PrivateEvaluator:
             out[g] = GroupSum(g, groups[g], n, len(res.dropped), "ok",
                               contributors=res.contributors,
                               sum=quant.dequantise_sum(q_sum, res.contributors),
-                              sum_quantised=q_sum, threshold=t, noise=gn)
+                              sum_quantised=q_sum, threshold=t, noise=gn,
+                              noised=metrics if gn is not None else ())
             total_q = total_q + np.asarray(q_sum, dtype=total_q.dtype)
             total_n += res.contributors
         if total_n >= m:
@@ -707,7 +713,8 @@ class PrivateEvaluator:
                       if self.distributed else None)
             out[GLOBAL] = GroupSum(GLOBAL, (GLOBAL,), sel, drop, "ok", contributors=total_n,
                                    sum=quant.dequantise_sum(total_q, total_n),
-                                   sum_quantised=total_q, noise=gnoise)
+                                   sum_quantised=total_q, noise=gnoise,
+                                   noised=metrics if self.distributed else ())
         else:
             out[GLOBAL] = GroupSum(GLOBAL, (GLOBAL,), sel, drop, "below_floor")
         return SecureSums(round_number, m, out, layout,
@@ -870,10 +877,13 @@ class PrivateEvaluator:
 
     def has_sum(self, sums: SecureSums, rel: PlannedRelease) -> bool:
         """Whether the release has a sum to publish: always in central mode (the plan
-        lists only groups with a sum); in distributed mode a charged group lost to dropouts
-        or whose session was not formed has none (it stays charged; nothing is drawn)."""
+        lists only groups with a sum); in distributed mode a charged group lost to
+        dropouts, whose session was not formed, or whose session did not carry the metric
+        (an entry reused from a crashed attempt) has none (it stays charged; nothing is
+        drawn)."""
+        g = sums.groups[rel.region]
         return (not self.distributed or rel.name not in SCALAR_METRICS
-                or sums.groups[rel.region].status == "ok")
+                or (g.status == "ok" and rel.name in g.noised))
 
     def _from_published(self, rel: PlannedRelease, pub: Mapping[str, Any], g: GroupSum
                         ) -> AggregatedMetric | AggregatedVector:
