@@ -222,13 +222,14 @@ class SpyClients:
         return self._step("unmask", round, requests)
 
 
-def _ledger_engine(tiny_config, make_engine, write_policy, tmp_path, eps_epoch, **ev):
+def _ledger_engine(tiny_config, make_engine, write_policy, tmp_path, eps_epoch, *,
+                   client_kw=None, **ev):
     policy = write_policy(epsilon_per_client_per_epoch=eps_epoch, regional_cadence_rounds=1,
                           epoch_length_rounds=10)
     cfg = tiny_config(evaluation={**DISTRIBUTED, **ev}, rounds=3)
     cfg = cfg.model_copy(update={"budget": BudgetConfig(state_dir=str(tmp_path / "s"),
                                                         policy=str(policy))})
-    engine = make_engine(cfg, budget=True)
+    engine = make_engine(cfg, budget=True, **(client_kw or {}))
     engine.clients = SpyClients(engine.clients)
     return engine
 
@@ -260,6 +261,9 @@ def test_a_release_refused_by_the_cap_is_never_unmasked(
                                          "regional.mean_loss": "exceeds_line_cap"}
     assert charges.unmask() == ()
     assert engine.clients.calls == [] and device_draws == []
+    # no session, no observed dropouts: the health releases have nothing to release
+    assert set(view["budget"]["not_charged"]) == {"global.health.dropout_rate",
+                                                  "regional.health.dropout_rate"}
     for g in charges.groups:
         gs = sums.groups[g]
         assert gs.status == "not_unmasked"
@@ -339,3 +343,69 @@ def test_every_unmasked_group_has_exactly_one_ledger_charge(
                        and e["release"] == f"regional.{metric}" and e["status"] == "committed"
                        and regions <= {tag for tag, _ in json.loads(e["events"])}]
             assert len(charges) == 1, (rnd, group, metric)
+
+
+def test_a_charged_entry_is_never_unmasked_twice(
+        tiny_config, make_engine, secure_sums, write_policy, tmp_path):
+    """Round 1 released, then run again (a retry after the commit): both entries are
+    already committed, so no session is formed, the stored regional values are
+    republished, and the global one (the sum of the noisy sums, not stored) is not.
+    Round 2 with ``regional.accuracy`` left pending by a crashed attempt: accuracy is not
+    unmasked again (only mean loss reaches the sessions) and the pending charge is closed
+    with nothing released."""
+    from clma.budget import MechanismEvent as Event
+
+    engine = _ledger_engine(tiny_config, make_engine, write_policy, tmp_path, 1000.0)
+    _, _, view1, out1 = _charged_round(engine, 1, secure_sums)
+    assert {"regional.accuracy", "regional.mean_loss"} <= set(view1["budget"]["released"])
+    first = out1.published["metrics"]["accuracy"]["regions"]
+    assert len(first) >= 2
+    n_calls = len(engine.clients.calls)
+    charges, sums, view, out = _charged_round(engine, 1, secure_sums)
+    assert charges.unmask() == () and len(engine.clients.calls) == n_calls
+    assert {"regional.accuracy", "regional.mean_loss"} <= set(view["budget"]["republished"])
+    assert set(view["budget"]["not_unmasked"]) == {"regional.accuracy", "regional.mean_loss"}
+    assert {g: p["value"] for g, p in out.published["metrics"]["accuracy"]["regions"].items()
+            } == {g: p["value"] for g, p in first.items()}
+    assert out.published["metrics"]["accuracy"]["global"] is None
+
+    ids = engine.roster.client_ids
+    regions = sorted({engine.region_of[c] for c in ids})
+    pending = engine.budget.ledger.reserve(
+        1, "regional.accuracy", LineItem.EVALUATION_REGIONAL,
+        {r: Event.zcdp(rho_for_epsilon(2.0, 1e-6)) for r in regions},
+        membership={str(c): engine.region_of[c] for c in sorted(ids)})
+    assert pending.may_draw_noise
+    charges, sums, view, out = _charged_round(engine, 2, secure_sums)
+    assert charges.unmask() == ("mean_loss",)
+    loss = engine.evaluator.state.layout().slices["mean_loss"].start
+    round2 = [sid for name, rnd, sids in engine.clients.calls if rnd == 2 for sid in sids]
+    assert round2 and {engine.clients.coordinates[s] for s in round2} == {(loss,)}
+    assert view["budget"]["not_unmasked"]["regional.accuracy"].startswith("reused_pending")
+    assert out.published["metrics"]["accuracy"]["regions"] == {}
+    assert [e["status"] for e in engine.budget.ledger.entries()
+            if e["round"] == 1 and e["release"] == "regional.accuracy"] == ["committed"]
+
+
+def test_a_group_lost_to_dropouts_after_its_charge_stays_charged(
+        tiny_config, make_engine, secure_sums, write_policy, tmp_path):
+    """North (7 clients, at most 2 tolerated dropouts): 3 of its clients drop before
+    their masked input, after the charge. North is not released and is listed as
+    charged_not_released; the committed regional charges still hold north's event."""
+    probe = make_engine(tiny_config(evaluation=DISTRIBUTED))
+    north = sorted(c for c, r in probe.region_of.items() if r == "north")
+    engine = _ledger_engine(tiny_config, make_engine, write_policy, tmp_path, 1000.0,
+                            client_kw={"drops": {c: "masked_input" for c in north[:3]}},
+                            secagg_dropout_fraction=0.3)
+    charges, sums, view, out = _charged_round(engine, 1, secure_sums)
+    lost = [g for g in charges.groups if "north" in sums.groups[g].members]
+    assert len(lost) == 1 and sums.groups[lost[0]].status != "ok"
+    assert sums.groups[lost[0]].sum is None
+    for metric in ("accuracy", "mean_loss"):
+        assert view["budget"]["charged_not_released"][f"regional.{metric}"] == lost
+        assert lost[0] not in out.published["metrics"][metric]["regions"]
+        (entry,) = [e for e in engine.budget.ledger.entries()
+                    if e["release"] == f"regional.{metric}"]
+        assert entry["status"] == "committed"
+        assert "north" in {tag for tag, _ in json.loads(entry["events"])}
+    assert [g for g in charges.groups if sums.groups[g].status == "ok"]
