@@ -47,6 +47,7 @@ from tasks.round import (
     cohort_task,
     detect_drift_task,
     merge_task,
+    prefect_step,
     score_divergence_task,
     select_clients_task,
     train_clients_task,
@@ -149,8 +150,12 @@ def round_flow(
     if engine.evaluation_due(round_number) and ctx.participants:
         from flows.approval import borrow_gate
 
+        run_id = str(flow_run.id or "")
+        # distributed DP: charged (borrow gate included) in the flow's body, before the
+        # secure sums, so the server only unmasks what the ledger charged
+        engine.charge_before_sums(ctx, gate=borrow_gate, run_id=run_id, step=prefect_step)
         sums = secure_aggregation_task(eng, q)
-        evaluate_regions(engine, ctx, sums, gate=borrow_gate, run_id=str(flow_run.id or ""))
+        evaluate_regions(engine, ctx, sums, gate=borrow_gate, run_id=run_id)
     result = engine.finish(ctx)
     rec = RoundRecord.from_result(result, _truth(transport, engine, round_number,
                                                  ctx.participants))

@@ -31,6 +31,12 @@ order:
    the entry committed, records the stored results without drawing noise
    (``republished``); a refused entry draws no noise and is reported with its reason.
 
+Distributed mode (``evaluation.noise = "distributed"``): the server itself is what the
+devices' noise protects against, so the noised regional entries go through steps 1-3
+BEFORE secure aggregation (:func:`charge_distributed`), and only the metrics of freshly
+granted entries are unmasked (:meth:`DistributedCharges.unmask`); step 4 then commits
+them with the released results. A charged group lost to dropouts stays charged.
+
 Training (:func:`dp_reserve` / :func:`dp_aggregate` / :func:`dp_commit`): with
 ``training.dp.enabled``, DP-FedAvg (:func:`clma.rounds.dp_aggregate_per_cohort`) after one
 training charge per round. A refused charge means *training backs off*: no aggregation
@@ -61,6 +67,7 @@ from clma.budget import (
     PrivacyLedger,
     PrivacyPolicy,
     Reservation,
+    ReservationStatus,
     default_policy,
     load_policy,
 )
@@ -84,8 +91,10 @@ __all__ = [
     "TRAINING_RELEASE",
     "BudgetState",
     "ChargePlan",
+    "DistributedCharges",
     "Step",
     "budgeted_evaluation",
+    "charge_distributed",
     "charge_plans",
     "decisions_document",
     "direct_step",
@@ -348,8 +357,10 @@ def republish_entry(evaluator: PrivateEvaluator, ev: EvaluationRound, plan: Char
 
 def _borrow_amount(budget: BudgetState, plans: Sequence[ChargePlan], round_number: int,
                    line: LineItem, reservation: Reservation) -> float:
-    """Epsilon to ask for: the refused entry's shortfall plus what this line's Laplace
-    entries need in the epoch's remaining rounds of this run, capped at the policy's limit
+    """Epsilon to ask for: the refused entry's shortfall plus what this line's entries
+    with an epsilon (Laplace, and zCDP entries at the epsilon they were calibrated to:
+    basic composition, an upper bound of their RDP composition) need in the epoch's
+    remaining rounds of this run, capped at the policy's limit
     (``max_fraction_of_next_epoch`` of the next epoch's line); a shortfall above the limit
     is asked as is (and refused by the rule)."""
     cap = float(reservation.line_cap_epsilon or 0.0)
@@ -358,7 +369,8 @@ def _borrow_amount(budget: BudgetState, plans: Sequence[ChargePlan], round_numbe
     policy, cfg = budget.policy, budget.config
     epoch = policy.epoch_of_round(ledger_round(round_number))
     per_round = math.fsum(
-        float(p.epsilon) for p in plans if p.line is line and p.mechanism == "laplace"  # type: ignore[arg-type]
+        float(p.epsilon) for p in plans
+        if p.line is line and p.mechanism in ("laplace", "zcdp") and p.epsilon is not None
     )
     later = 0
     for rn in range(round_number + 1, cfg.rounds + 1):
@@ -387,6 +399,138 @@ def _gate_skip_reason(budget: BudgetState, epoch: int) -> str | None:
     return None
 
 
+def _not_charged(budget: BudgetState, info: dict[str, Any], plan: ChargePlan,
+                 round_number: int, epoch: int) -> None:
+    info["not_charged"].append(plan.name)
+    budget.events.append({"kind": "release_not_charged", "round": round_number,
+                          "release": plan.name, "epoch": epoch,
+                          "reason": "nothing_to_release"})
+
+
+def _charge_with_gate(budget: BudgetState, plan: ChargePlan, plans: Sequence[ChargePlan],
+                      round_number: int, region_of: Mapping[int, str],
+                      regions: Sequence[str], info: dict[str, Any], epoch: int, *,
+                      gate: Callable[[BudgetState, BorrowRequest], BorrowDecision] | None,
+                      run_id: str, step: Step) -> Reservation | None:
+    """Steps 1-3 of the module docstring for one entry that has something to release:
+    reserve, and on a line-cap refusal put a borrow request to the gate (once per epoch)
+    and reserve again if approved. ``None``: a regional entry off the cadence (recorded
+    in ``info``)."""
+    res = step("charge-evaluation", charge_entry, budget, plan, round_number, region_of,
+               regions)
+    if res is None:
+        info["off_cadence"].append(plan.name)
+        budget.events.append({"kind": "release_off_cadence", "round": round_number,
+                              "release": plan.name, "epoch": epoch})
+        return None
+    skip = (_gate_skip_reason(budget, epoch)
+            if res.refused and res.refusal == "exceeds_line_cap" and gate is not None
+            else "no_gate")
+    if res.refused and skip not in (None, "no_gate"):
+        budget.events.append({"kind": "borrow_not_requested", "round": round_number,
+                              "epoch": epoch, "line": plan.line.value,
+                              "release": plan.name, "reason": skip})
+    if res.refused and skip is None and gate is not None:
+        request = BorrowRequest(
+            epoch=epoch, line=plan.line,
+            epsilon=_borrow_amount(budget, plans, round_number, plan.line, res),
+            run_id=run_id[:128], federation=budget.config.name[:200],
+            reason=f"round {round_number}: release '{plan.name}' would exceed "
+                   f"the {plan.line.value} line of epoch {epoch}",
+        )
+        decision = gate(budget, request)
+        info["borrows"].append(decision.model_dump(mode="json"))
+        if decision.approved:
+            res = _reserve(budget, plan, round_number, region_of, regions)
+    return res
+
+
+def _new_info(budget: BudgetState) -> dict[str, Any]:
+    return {"released": [], "republished": [], "refused": {}, "off_cadence": [],
+            "borrows": [], "not_charged": [], "policy_version": budget.policy.policy_version}
+
+
+@dataclass
+class DistributedCharges:
+    """The distributed-mode charges of one evaluation round, made BEFORE secure
+    aggregation (:func:`charge_distributed`).
+
+    Attributes:
+        round: flow round.
+        groups: the aggregation groups a session would be formed for (what was charged:
+            every region of the round's participants, parallel composition).
+        entries: ledger entry name -> its reservation (after the borrow gate), or None
+            when nothing was charged (no group, off cadence).
+        info: the budget report so far (same keys as :func:`budgeted_evaluation`'s).
+    """
+
+    round: int
+    groups: tuple[str, ...]
+    entries: dict[str, Reservation | None]
+    info: dict[str, Any]
+
+    def unmask(self) -> tuple[str, ...]:
+        """The noised metrics whose sums may be unmasked: those whose entry holds a
+        fresh grant. A reservation reused from an earlier attempt (``reused_pending``:
+        that attempt may have unmasked already) and a committed one (republished from
+        the ledger) are never unmasked again: a second unmasking is a second noisy
+        release under one charge."""
+        return tuple(name for name in SCALAR_METRICS
+                     if (r := self.entries.get(f"regional.{name}")) is not None
+                     and r.status is ReservationStatus.GRANTED)
+
+
+def charge_distributed(evaluator: PrivateEvaluator, budget: BudgetState,
+                       groups: Sequence[str], region_of: Mapping[int, str],
+                       round_number: int, *,
+                       gate: Callable[[BudgetState, BorrowRequest], BorrowDecision] | None
+                       = None, run_id: str = "", step: Step = direct_step
+                       ) -> DistributedCharges:
+    """Distributed mode: charge the noised regional entries before secure aggregation.
+
+    The server itself is the party the devices' noise protects against, so what it sees
+    at unmasking is what must be charged: the ``regional.<metric>`` zCDP entries of
+    :func:`charge_plans` are reserved here (cadence, line cap, borrow gate, as in
+    :func:`budgeted_evaluation`), and only the metrics :meth:`DistributedCharges.unmask`
+    returns are carried by the round's sessions
+    (:meth:`PrivateEvaluator.secure_sums`, ``unmask``). An entry with no group to form a
+    session for (``groups`` empty) is charged nothing (``not_charged``). A group lost to
+    dropouts (or refused for unchanged models) after the charge stays charged: the
+    server learned nothing new of it, but the charge was made before the outcome was
+    known and the ledger does not refund (listed as ``charged_not_released``).
+
+    Args:
+        evaluator: the federation's evaluator (distributed mode).
+        budget: the ledger and policy.
+        groups: :meth:`PrivateEvaluator.session_groups` of the round.
+        region_of: participant client id -> region (the membership charged).
+        round_number: flow round.
+        gate, run_id, step: as for :func:`budgeted_evaluation`.
+
+    Raises:
+        ValueError: the evaluator is in central mode.
+    """
+    if not evaluator.distributed:
+        raise ValueError("charge_distributed: evaluation.noise is not 'distributed'")
+    plans = charge_plans(evaluator)
+    regions = evaluator.partition.region_ids
+    epoch = budget.policy.epoch_of_round(ledger_round(round_number))
+    info = _new_info(budget)
+    entries: dict[str, Reservation | None] = {}
+    for plan in plans:
+        if plan.mechanism != "zcdp":
+            continue
+        on_cadence = regional_on_cadence(budget.policy, round_number)
+        if on_cadence and not groups:
+            _not_charged(budget, info, plan, round_number, epoch)
+            entries[plan.name] = None
+            continue
+        entries[plan.name] = _charge_with_gate(
+            budget, plan, plans, round_number, region_of, regions, info, epoch, gate=gate,
+            run_id=run_id, step=step)
+    return DistributedCharges(round_number, tuple(groups), entries, info)
+
+
 def budgeted_evaluation(
     evaluator: PrivateEvaluator,
     ev: EvaluationRound,
@@ -396,6 +540,7 @@ def budgeted_evaluation(
     gate: Callable[[BudgetState, BorrowRequest], BorrowDecision] | None = None,
     run_id: str = "",
     step: Step = direct_step,
+    charged: DistributedCharges | None = None,
 ) -> dict[str, Any]:
     """The round's evaluation releases, each charged before its noise (module docstring).
 
@@ -408,54 +553,44 @@ def budgeted_evaluation(
         run_id: the orchestrator's run id, recorded with a borrow request.
         step: runs each sub-step by name (``charge-evaluation``, ``release-evaluation``,
             ``republish-evaluation``).
+        charged: distributed mode: the charges made before secure aggregation
+            (:func:`charge_distributed`); its entries are not charged again here.
 
     Returns the ledger's view ``{"round", "metrics": {entry: published}, "epsilon_spent",
     "budget": {"released", "republished", "refused": {name: reason}, "off_cadence",
-    "not_charged", "borrows", "policy_version"}}``.
+    "not_charged", "borrows", "policy_version"}}``; in distributed mode also
+    ``"charged_not_released": {entry: [groups]}`` and ``"not_unmasked": {entry: reason}``.
+
+    Raises:
+        ValueError: distributed mode without ``charged`` (the sums would have been
+            unmasked before their charge), or ``charged`` of another round.
     """
     round_number = ev.round
+    if evaluator.distributed and (charged is None or charged.round != round_number):
+        raise ValueError("charged: distributed mode charges the noised releases before "
+                         "secure aggregation (charge_distributed for this round)")
     plans = charge_plans(evaluator)
     regions = evaluator.partition.region_ids
     epoch = budget.policy.epoch_of_round(ledger_round(round_number))
-    info: dict[str, Any] = {
-        "released": [], "republished": [], "refused": {}, "off_cadence": [], "borrows": [],
-        "not_charged": [], "policy_version": budget.policy.policy_version,
-    }
+    info = _new_info(budget) if charged is None else {
+        k: (dict(v) if isinstance(v, dict) else list(v) if isinstance(v, list) else v)
+        for k, v in charged.info.items()}
     out: dict[str, Any] = {"round": round_number, "metrics": {}, "epsilon_spent": 0.0}
     for plan in plans:  # one at a time: charge, (gate), draw, commit
-        on_cadence = plan.scope == "global" or regional_on_cadence(budget.policy, round_number)
-        if on_cadence and not evaluator.releases_of(ev, plan.name):
-            info["not_charged"].append(plan.name)
-            budget.events.append({"kind": "release_not_charged", "round": round_number,
-                                  "release": plan.name, "epoch": epoch,
-                                  "reason": "nothing_to_release"})
-            continue
-        res = step("charge-evaluation", charge_entry, budget, plan, round_number, region_of,
-                   regions)
-        if res is None:
-            info["off_cadence"].append(plan.name)
-            budget.events.append({"kind": "release_off_cadence", "round": round_number,
-                                  "release": plan.name, "epoch": epoch})
-            continue
-        skip = (_gate_skip_reason(budget, epoch)
-                if res.refused and res.refusal == "exceeds_line_cap" and gate is not None
-                else "no_gate")
-        if res.refused and skip not in (None, "no_gate"):
-            budget.events.append({"kind": "borrow_not_requested", "round": round_number,
-                                  "epoch": epoch, "line": plan.line.value,
-                                  "release": plan.name, "reason": skip})
-        if res.refused and skip is None and gate is not None:
-            request = BorrowRequest(
-                epoch=epoch, line=plan.line,
-                epsilon=_borrow_amount(budget, plans, round_number, plan.line, res),
-                run_id=run_id[:128], federation=budget.config.name[:200],
-                reason=f"round {round_number}: release '{plan.name}' would exceed "
-                       f"the {plan.line.value} line of epoch {epoch}",
-            )
-            decision = gate(budget, request)
-            info["borrows"].append(decision.model_dump(mode="json"))
-            if decision.approved:
-                res = _reserve(budget, plan, round_number, region_of, regions)
+        if charged is not None and plan.name in charged.entries:
+            res = charged.entries[plan.name]  # charged before secure aggregation
+            if res is None:
+                continue  # not charged / off cadence: recorded by charge_distributed
+        else:
+            on_cadence = (plan.scope == "global"
+                          or regional_on_cadence(budget.policy, round_number))
+            if on_cadence and not evaluator.releases_of(ev, plan.name):
+                _not_charged(budget, info, plan, round_number, epoch)
+                continue
+            res = _charge_with_gate(budget, plan, plans, round_number, region_of, regions,
+                                    info, epoch, gate=gate, run_id=run_id, step=step)
+            if res is None:
+                continue
         if res.already_committed:
             out["metrics"][plan.metric] = step("republish-evaluation", republish_entry,
                                                evaluator, ev, plan, res)
@@ -467,15 +602,41 @@ def budgeted_evaluation(
             out["epsilon_spent"] += float(plan.epsilon or 0.0)
         else:
             info["refused"][plan.name] = res.refusal
+    if charged is not None:
+        _distributed_report(evaluator, ev, charged, info)
     if evaluator.distributed:  # the global sums of the granted regional entries
         for name in SCALAR_METRICS:
             if f"regional.{name}" in info["released"] + info["republished"]:
                 for rel in evaluator.releases_of(ev, f"global.{name}"):
-                    evaluator.record(ev, rel, evaluator.compute(ev.sums, rel))
-                    info["released"].append(f"global.{name}")
+                    if evaluator.has_sum(ev.sums, rel):
+                        evaluator.record(ev, rel, evaluator.compute(ev.sums, rel))
+                        info["released"].append(f"global.{name}")
     out["metrics"] = {k: v for k, v in out["metrics"].items() if v is not None}
     out["budget"] = info
     return out
+
+
+def _distributed_report(evaluator: PrivateEvaluator, ev: EvaluationRound,
+                        charged: DistributedCharges, info: dict[str, Any]) -> None:
+    """What the pre-aggregation charges came to: charged groups without a released sum
+    (lost to dropouts, refused for unchanged models: they stay charged, conservative) and
+    charged entries whose sums were not unmasked (and why)."""
+    lost: dict[str, list[str]] = {}
+    skipped: dict[str, str] = {}
+    for entry, res in charged.entries.items():
+        if res is None or res.refused:
+            continue
+        if res.status is ReservationStatus.REUSED_PENDING:
+            skipped[entry] = ("reused_pending: an earlier attempt may have unmasked it; "
+                              "not unmasked again under the same charge")
+        elif res.already_committed:
+            skipped[entry] = "already_committed: republished from the ledger"
+        else:
+            gone = [g for g in charged.groups if ev.sums.groups[g].status != "ok"]
+            if gone:
+                lost[entry] = gone
+    info["charged_not_released"] = lost
+    info["not_unmasked"] = skipped
 
 
 # --------------------------------------------------------------------------- training

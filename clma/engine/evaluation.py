@@ -55,7 +55,10 @@ is drawn from the round's :class:`SecureSums`. The ledger path
 (:meth:`PrivateEvaluator.restore`) into an :class:`EvaluationRound`;
 :meth:`PrivateEvaluator.finish` closes the round (suppressed envelopes, alerts, monitoring
 merges, clip-bound re-derivation, the published report). Groups are disjoint, so every
-group spends the full regional epsilon (parallel composition).
+group spends the full regional epsilon (parallel composition). In distributed mode with
+the ledger, the noised releases are charged before :meth:`PrivateEvaluator.secure_sums`
+(:func:`clma.engine.budget.charge_distributed`), whose ``unmask`` names the charged
+metrics: the server never unmasks a noisy sum the ledger has not charged.
 
 State across rounds: :class:`EvaluationState` (alert baselines, merge tracker, clip-bound
 versions, evaluation count) in ``ServerState.evaluation``.
@@ -187,8 +190,11 @@ class GroupSum:
 
     ``status``: ``ok`` (sum available), ``below_floor`` (fewer than m selected or
     surviving clients: nothing released), ``aborted`` (fewer than t survivors: the group
-    is not evaluated this round). ``sum`` is the de-quantised float64 ``(32,)`` sum over
-    the contributors (None unless ok).
+    is not evaluated this round), ``refused`` (unchanged models), ``not_unmasked``
+    (distributed mode: no noised release was charged, so no session was formed).
+    ``sum`` is the de-quantised float64 ``(32,)`` sum over the contributors (None unless
+    ok). ``noised`` (distributed mode): the metrics whose noisy sums the session carried
+    (the other coordinates are 0).
     """
 
     group: str
@@ -201,6 +207,7 @@ class GroupSum:
     sum_quantised: np.ndarray | None = None
     threshold: int = 0
     noise: GroupNoise | None = None
+    noised: tuple[str, ...] = ()
 
 
 @dataclass
@@ -479,7 +486,8 @@ class PrivateEvaluator:
 
     # ---------------------------------------------------------------- secure sums
     def session_config(self, name: str, members: Sequence[int], round_number: int,
-                       dim: int) -> SecAggConfig | None:
+                       dim: int, metrics: Sequence[str] = NOISED_METRICS
+                       ) -> SecAggConfig | None:
         """The secure-aggregation parameters of one group (None: no safe parameters).
 
         Degree k and threshold t come from the group size and the configured assumptions
@@ -492,14 +500,16 @@ class PrivateEvaluator:
         ``secrets``, kept in the state folder, ``ServerState.selection_key``), never derived
         from the published federation seed -- except with seeded noise (experiments and tests,
         labelled not private), where it is derived from (seed, round, group) so that a
-        simulation with dropouts is reproducible.
+        simulation with dropouts is reproducible. ``metrics`` (distributed mode): the
+        noised metrics the session carries (their coordinates get the devices' shares;
+        every other coordinate is sent as 0).
         """
         ev = self.config.evaluation
         n, m = len(members), self.min_cohort
         delta = ev.secagg_dropout_fraction
         if n - math.ceil(delta * n) < m:
             delta = max(0.0, (n - m) / n * (1.0 - 1e-9))  # ceil(delta n) <= n - m
-        noise = self.group_noise(n, dim) if self.distributed else None
+        noise = self.group_noise(n, dim, metrics) if self.distributed else None
         if self.distributed and noise is None:
             return None
         extra: dict[str, Any] = {}
@@ -545,11 +555,16 @@ class PrivateEvaluator:
         """``evaluation.noise == "distributed"``: noise shares added on the devices."""
         return self.config.evaluation.noise == "distributed"
 
-    def group_noise(self, n: int, dim: int) -> GroupNoise | None:
-        """The distributed-noise parameters of a group of n (:mod:`clma.engine.distributed`)."""
+    def group_noise(self, n: int, dim: int, metrics: Sequence[str] = NOISED_METRICS
+                    ) -> GroupNoise | None:
+        """The distributed-noise parameters of a group of n (:mod:`clma.engine.distributed`)
+        noising the coordinates of ``metrics`` (a subset of ``NOISED_METRICS``)."""
         ev = self.config.evaluation
         layout = self.state.layout()
-        coords = tuple(i for name in NOISED_METRICS
+        unknown = sorted(set(metrics) - set(NOISED_METRICS))
+        if unknown or not metrics:
+            raise ValueError(f"metrics: must be a non-empty subset of {NOISED_METRICS}")
+        coords = tuple(i for name in NOISED_METRICS if name in metrics
                        for i in range(*layout.slices[name].indices(dim)))
         return group_noise(n, epsilon=ev.epsilon, delta=ev.delta,
                            dropout_fraction=ev.secagg_dropout_fraction,
@@ -557,9 +572,40 @@ class PrivateEvaluator:
                            floor=self.min_cohort, levels=QUANTISATION_LEVELS,
                            security=ev.secagg_statistical_security, coordinates=coords)
 
+    def _grouping(self, participants: Sequence[int], region_of: Mapping[int, str]
+                  ) -> tuple[list[int], list[str], dict[str, tuple[str, ...]],
+                             dict[str, list[int]]]:
+        """Sorted ids, monitored groups below the floor alone, the aggregation groups and
+        each group's clients (no client is contacted)."""
+        m = self.min_cohort
+        ids = sorted(int(c) for c in participants)
+        monitored = self.state.merges.groups(self.partition.region_ids)
+        per_region: dict[str, int] = {}
+        for c in ids:
+            per_region[region_of[c]] = per_region.get(region_of[c], 0) + 1
+        below_alone = sorted(g for g, mem in monitored.items()
+                             if 0 < sum(per_region.get(r, 0) for r in mem) < m)
+        groups = aggregation_groups(monitored, per_region, self.partition.neighbours, m)
+        clients_of = {g: [c for c in ids if region_of[c] in mem] for g, mem in groups.items()}
+        return ids, below_alone, groups, clients_of
+
+    def session_groups(self, round_number: int, participants: Sequence[int],
+                       region_of: Mapping[int, str]) -> tuple[str, ...]:
+        """The aggregation groups a secure-aggregation session would be formed for this
+        round (at least ``max(m, 2)`` participants and safe parameters), known before any
+        client is contacted: in distributed mode, the groups the ledger charges before
+        secure aggregation (:func:`clma.engine.budget.charge_distributed`)."""
+        layout = self.state.layout()
+        dim = FixedPointQuantiser(layout.lower_bounds(), layout.upper_bounds()).dim
+        _, _, _, clients_of = self._grouping(participants, region_of)
+        return tuple(g for g, cs in sorted(clients_of.items())
+                     if len(cs) >= max(self.min_cohort, 2)
+                     and self.session_config(g, cs, round_number, dim) is not None)
+
     def secure_sums(self, clients: Clients, round_number: int, participants: Sequence[int],
                     region_of: Mapping[int, str], assignments: Mapping[int, int],
-                    models: Mapping[int, np.ndarray]) -> SecureSums:
+                    models: Mapping[int, np.ndarray], *,
+                    unmask: Collection[str] | None = None) -> SecureSums:
         """Secure aggregation over a partition of the participants into groups at or
         above the floor (:func:`aggregation_groups`), through the ``Clients`` seam; the
         global sum by post-processing (module docstring).
@@ -571,20 +617,27 @@ class PrivateEvaluator:
             region_of: client id -> region (public partition).
             assignments: client id -> cohort whose model it evaluates.
             models: cohort id -> float32 model vector.
+            unmask: distributed mode only: the noised metrics whose release the ledger
+                charged before this call (None: all of them, no ledger). Sessions carry
+                only these metrics' coordinates; with none, no session is formed and
+                every group that would have had one gets status ``not_unmasked``
+                (nothing is sent to or asked of its clients).
+
+        Raises:
+            ValueError: ``unmask`` given in central mode, or naming an unknown metric.
         """
         state = self.state
         layout = state.layout()
         m = self.min_cohort
         dim = FixedPointQuantiser(layout.lower_bounds(), layout.upper_bounds()).dim
-        ids = sorted(int(c) for c in participants)
-        monitored = state.merges.groups(self.partition.region_ids)
-        per_region: dict[str, int] = {}
-        for c in ids:
-            per_region[region_of[c]] = per_region.get(region_of[c], 0) + 1
-        below_alone = sorted(g for g, mem in monitored.items()
-                             if 0 < sum(per_region.get(r, 0) for r in mem) < m)
-        groups = aggregation_groups(monitored, per_region, self.partition.neighbours, m)
-        clients_of = {g: [c for c in ids if region_of[c] in mem] for g, mem in groups.items()}
+        if unmask is not None and not self.distributed:
+            raise ValueError("unmask: only in distributed mode (evaluation.noise)")
+        metrics = tuple(NOISED_METRICS if unmask is None
+                        else [n for n in NOISED_METRICS if n in set(unmask)])
+        if unmask is not None and set(unmask) - set(NOISED_METRICS):
+            raise ValueError(f"unmask: must be a subset of {NOISED_METRICS}")
+        ids, below_alone, groups, clients_of = self._grouping(participants, region_of)
+        not_unmasked: set[str] = set()
         sessions: dict[str, SecAggSession] = {}
         no_parameters: set[str] = set()
         name_of: dict[str, str] = {}
@@ -594,15 +647,18 @@ class PrivateEvaluator:
         for g, cs in sorted(clients_of.items()):
             if len(cs) < max(m, 2):
                 continue
-            cfg = self.session_config(g, cs, round_number, dim)
+            cfg = self.session_config(g, cs, round_number, dim, metrics or NOISED_METRICS)
             if cfg is None:
                 no_parameters.add(g)
+                continue
+            if not metrics:  # distributed, nothing charged: the session is never formed
+                not_unmasked.add(g)
                 continue
             sessions[cfg.round_id] = SecAggSession(cfg.round_id, cfg, tuple(cs))
             name_of[cfg.round_id] = g
             thresholds[g] = cfg.threshold
             if cfg.noise is not None:
-                gn = self.group_noise(len(cs), dim)
+                gn = self.group_noise(len(cs), dim, metrics)
                 assert gn is not None
                 noise_of[g] = gn
             cohorts = sorted({int(assignments[c]) for c in cs})
@@ -637,6 +693,9 @@ class PrivateEvaluator:
         for g in sorted(clients_of):
             n = len(clients_of[g])
             res = results.get(g)
+            if g in not_unmasked:  # no session: nothing observed, not in the health counts
+                out[g] = GroupSum(g, groups[g], n, 0, "not_unmasked")
+                continue
             sel += n
             if res is None:
                 out[g] = GroupSum(g, groups[g], n, 0,
@@ -659,7 +718,8 @@ class PrivateEvaluator:
             out[g] = GroupSum(g, groups[g], n, len(res.dropped), "ok",
                               contributors=res.contributors,
                               sum=quant.dequantise_sum(q_sum, res.contributors),
-                              sum_quantised=q_sum, threshold=t, noise=gn)
+                              sum_quantised=q_sum, threshold=t, noise=gn,
+                              noised=metrics if gn is not None else ())
             total_q = total_q + np.asarray(q_sum, dtype=total_q.dtype)
             total_n += res.contributors
         if total_n >= m:
@@ -670,7 +730,8 @@ class PrivateEvaluator:
                       if self.distributed else None)
             out[GLOBAL] = GroupSum(GLOBAL, (GLOBAL,), sel, drop, "ok", contributors=total_n,
                                    sum=quant.dequantise_sum(total_q, total_n),
-                                   sum_quantised=total_q, noise=gnoise)
+                                   sum_quantised=total_q, noise=gnoise,
+                                   noised=metrics if self.distributed else ())
         else:
             out[GLOBAL] = GroupSum(GLOBAL, (GLOBAL,), sel, drop, "below_floor")
         return SecureSums(round_number, m, out, layout,
@@ -687,7 +748,7 @@ class PrivateEvaluator:
         for gname, g in sorted(sums.groups.items()):
             line = LINE_GLOBAL if gname == GLOBAL else LINE_REGIONAL
             eps = eps_g if gname == GLOBAL else ev.epsilon
-            if g.status == "ok" and self.distributed:
+            if g.status in ("ok", "not_unmasked") and self.distributed:
                 # the devices' noise is in the sums; the global is their sum (post-processing,
                 # charged nothing); the ring's wrap bound is added to delta
                 wrap = 2.0 ** -ev.secagg_statistical_security
@@ -701,7 +762,7 @@ class PrivateEvaluator:
                 if gname == GLOBAL and self.bounds_due():
                     out.append(PlannedRelease(HISTOGRAM_METRIC, gname, "laplace", eps, None,
                                               line, sums.round))
-            if g.selected >= sums.min_cohort:
+            if g.selected >= sums.min_cohort and g.status != "not_unmasked":
                 out.append(PlannedRelease(HEALTH_METRIC, gname, "laplace", ev.health_epsilon,
                                           None, line, sums.round))
         return ReleasePlan(sums.round, tuple(out))
@@ -828,7 +889,18 @@ class PrivateEvaluator:
         server-side state, never published or logged. Record it with :meth:`restore`."""
         return {"format": STORED_FORMAT,
                 "server": {rel.region: self.compute(ev.sums, rel).model_dump(mode="json")
-                           for rel in self.releases_of(ev, entry_name)}}
+                           for rel in self.releases_of(ev, entry_name)
+                           if self.has_sum(ev.sums, rel)}}
+
+    def has_sum(self, sums: SecureSums, rel: PlannedRelease) -> bool:
+        """Whether the release has a sum to publish: always in central mode (the plan
+        lists only groups with a sum); in distributed mode a charged group lost to
+        dropouts, whose session was not formed, or whose session did not carry the metric
+        (an entry reused from a crashed attempt) has none (it stays charged; nothing is
+        drawn)."""
+        g = sums.groups[rel.region]
+        return (not self.distributed or rel.name not in SCALAR_METRICS
+                or (g.status == "ok" and rel.name in g.noised))
 
     def _from_published(self, rel: PlannedRelease, pub: Mapping[str, Any], g: GroupSum
                         ) -> AggregatedMetric | AggregatedVector:
@@ -901,7 +973,7 @@ class PrivateEvaluator:
         for rel in ev.plan.releases:
             if approved is not None and rel.key not in approved:
                 ev.draws.refused.append(rel)
-            else:
+            elif self.has_sum(ev.sums, rel):
                 self.record(ev, rel, self.compute(ev.sums, rel))
         return self._finalize(ev.sums, ev.draws)
 
@@ -935,9 +1007,11 @@ class PrivateEvaluator:
                          if gs.status in reasons}
         monitored = state.merges.groups(self.partition.region_ids)
         unpublished = [g for g in monitored
-                       if g not in sums.groups or sums.groups[g].status != "ok"]
+                       if g not in sums.groups
+                       or sums.groups[g].status not in ("ok", "not_unmasked")]
         for name in SCALAR_METRICS:
-            gone = [g for g, gs in sums.groups.items() if gs.status != "ok"]
+            gone = [g for g, gs in sums.groups.items()
+                    if gs.status not in ("ok", "not_unmasked")]
             for g in gone:
                 bv = state.bounds[name]
                 envelopes.setdefault(f"{name}/{g}.json", _envelope(
@@ -1025,6 +1099,9 @@ class PrivateEvaluator:
             "epsilon_by_line": ReleasePlan(rnd, tuple(made)).epsilon_by_line(),
             "epsilon_spent": sum(ReleasePlan(rnd, tuple(made)).epsilon_by_line().values()),
         }
+        if self.distributed:
+            published["not_unmasked"] = sorted(g for g, gs in sums.groups.items()
+                                               if gs.status == "not_unmasked")
         if hist_pub is not None:
             published["error_histogram"] = hist_pub
         if bounds_event is not None:

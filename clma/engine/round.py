@@ -18,7 +18,9 @@ evaluation), as :class:`FederationEngine` steps over one :class:`RoundContext`:
 7. :meth:`~FederationEngine.merge` — cohorts whose models reconverged merge (optional);
 8. :meth:`~FederationEngine.end_training` — commit the DP charge, install the models,
    record the round in the registry;
-9. :meth:`~FederationEngine.secure_sums` and :meth:`~FederationEngine.evaluate` — on
+9. :meth:`~FederationEngine.charge_before_sums` (distributed DP with a ledger: the noised
+   releases are charged before the server unmasks anything),
+   :meth:`~FederationEngine.secure_sums` and :meth:`~FederationEngine.evaluate` — on
    evaluation rounds, the private regional evaluation (every release charged before its
    noise), envelopes and alerts;
 10. :meth:`~FederationEngine.finish` — the round's :class:`RoundResult`.
@@ -46,8 +48,10 @@ from clma.cohort import AutoKMeans, CLMACohorter, Cohorter
 from clma.config import FederationConfig
 from clma.engine.budget import (
     BudgetState,
+    DistributedCharges,
     Step,
     budgeted_evaluation,
+    charge_distributed,
     direct_step,
     dp_aggregate,
     dp_commit,
@@ -107,6 +111,7 @@ class RoundContext:
     cohorting: CohortingOutcome = field(default_factory=CohortingOutcome)
     merges: list[tuple[list[int], int]] = field(default_factory=list)
     evaluation: EvaluationOutcome | None = None
+    charges: DistributedCharges | None = None
 
     @property
     def participants(self) -> list[int]:
@@ -430,14 +435,40 @@ class FederationEngine:
     def evaluation_due(self, round_number: int) -> bool:
         return round_number % self.config.evaluation.every == 0
 
+    def charge_before_sums(self, ctx: RoundContext, *, gate: Gate | None = None,
+                           run_id: str = "", step: Step = direct_step) -> None:
+        """Distributed mode with a ledger: charge the noised releases (borrow gate
+        included) BEFORE secure aggregation, so that the server only unmasks what was
+        charged (:func:`clma.engine.budget.charge_distributed`); a no-op otherwise. Call
+        it from the orchestrator's body (the gate may pause the run)."""
+        if self.budget is None or not self.evaluator.distributed:
+            return
+        ids = ctx.participants
+        groups = self.evaluator.session_groups(ctx.round, ids, self.region_of)
+        ctx.charges = charge_distributed(self.evaluator, self.budget, groups,
+                                         {c: self.region_of[c] for c in ids}, ctx.round,
+                                         gate=gate, run_id=run_id, step=step)
+
     def secure_sums(self, ctx: RoundContext) -> SecureSums:
         """Secure aggregation of the participants' on-device reports (evaluated with the
-        round's new cohort models)."""
+        round's new cohort models). Distributed mode with a ledger: only the metrics
+        :meth:`charge_before_sums` charged are unmasked.
+
+        Raises:
+            ValueError: distributed mode with a ledger and no charge made for this round.
+        """
         ids = ctx.participants
         reg = self.state.registry
         assignments = {c: int(reg.cohort_of(c)) for c in ids}
+        unmask = None
+        if self.budget is not None and self.evaluator.distributed:
+            if ctx.charges is None or ctx.charges.round != ctx.round:
+                raise ValueError("secure_sums: distributed mode with the ledger charges "
+                                 "before secure aggregation (call charge_before_sums first)")
+            unmask = ctx.charges.unmask()
         return self.evaluator.secure_sums(self.clients, ctx.round, ids, self.region_of,
-                                          assignments, self.state.cohort_models)
+                                          assignments, self.state.cohort_models,
+                                          unmask=unmask)
 
     def evaluate(self, ctx: RoundContext, sums: SecureSums, *, gate: Gate | None = None,
                  run_id: str = "", step: Step = direct_step) -> EvaluationOutcome:
@@ -449,7 +480,7 @@ class FederationEngine:
             return ctx.evaluation
         region_of = {c: self.region_of[c] for c in ctx.participants}
         view = budgeted_evaluation(self.evaluator, ev, self.budget, region_of, gate=gate,
-                                   run_id=run_id, step=step)
+                                   run_id=run_id, step=step, charged=ctx.charges)
         ctx.evaluation = self.evaluator.finish(ev, budget_view=view)
         return ctx.evaluation
 
@@ -506,6 +537,7 @@ class FederationEngine:
         self.accept(ctx, [self.train(ctx, chunk) for chunk in chunks])
         self.after_training(ctx, on_divergence)
         if self.evaluation_due(round_number) and ctx.participants:
+            self.charge_before_sums(ctx, gate=gate, run_id=run_id)
             self.evaluate(ctx, self.secure_sums(ctx), gate=gate, run_id=run_id)
         return self.finish(ctx)
 

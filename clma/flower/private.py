@@ -138,8 +138,9 @@ class PrivateEvaluation(Strategy):
             return []
         if not ctx.participants:
             return []
-        sums = s.engine.secure_sums(ctx)
         run_id = str(s.transport.run_id or "")
+        s.engine.charge_before_sums(ctx, gate=self.gate, run_id=run_id)
+        sums = s.engine.secure_sums(ctx)
         outcome = s.engine.evaluate(ctx, sums, gate=self.gate, run_id=run_id)
         self.outcomes[server_round] = outcome
         self.envelopes[server_round] = dict(outcome.envelopes)

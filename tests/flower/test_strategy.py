@@ -260,3 +260,32 @@ def test_dp_fedavg_on_flower_charges_the_training_line_each_round(run_id, world,
         np.testing.assert_array_equal(strat.cohort_models[c], v)
     assert sorted(strat.cohort_models) == sorted(eng.state.cohort_models)
     assert all(not np.array_equal(v, fed.initial_model) for v in strat.cohort_models.values())
+
+
+def test_distributed_dp_on_flower_is_charged_before_the_secure_sums(run_id, world, tmp_path):
+    """Distributed DP with the ledger through the Flower strategy: the strategy charges the
+    noised entries before secure aggregation (it would raise otherwise), its ledger holds
+    the engine's charges, and a refused noised entry publishes no regional value."""
+    cfg, fed = world
+    data = cfg.model_dump(mode="json")
+    data["evaluation"].update(noise="distributed", noise_seeded=False)
+    from clma.config import validate_config
+
+    dcfg = validate_config(data)
+    strat = _strategy(dcfg, fed, tmp_path / "flower")
+    strat.start(grid=_grid(dcfg), initial_arrays=_initial(dcfg, fed), num_rounds=dcfg.rounds)
+    ref_cfg = _ledgered(dcfg, tmp_path / "ref")
+    eng = FederationEngine(ref_cfg, fed.assets(), SimulatedClients(fed),
+                           budget=open_budget(ref_cfg))
+    for r in range(1, dcfg.rounds + 1):
+        eng.run_round(r)
+    entries = [(e["round"], e["release"], e["status"])
+               for e in strat.engine.budget.ledger.entries()]
+    assert entries == [(e["round"], e["release"], e["status"])
+                       for e in eng.budget.ledger.entries()]
+    assert any(rel == "regional.accuracy" and st == "committed" for _, rel, st in entries)
+    for o in strat.outcomes.values():
+        for name in o.published["budget"]["refused"]:
+            scope, metric = name.split(".", 1)
+            if scope == "regional" and metric in ("accuracy", "mean_loss"):
+                assert o.published["metrics"][metric]["regions"] == {}

@@ -218,3 +218,37 @@ def test_each_round_run_tells_its_story_in_logs_and_artifacts(both):
     assert re.match(r"round 3 committed: cohorts 0, \d+, \d+; releases \d+ published",
                     rounds_logged[2]), rounds_logged
     assert fed_logs[-1] == f"federation {name}: 3 round(s) run, 3 of 3 done", fed_logs
+
+
+def test_distributed_dp_flow_charges_before_the_sums_like_the_engine(tmp_path, prefect_harness):
+    """Distributed DP with the ledger: the flow charges the noised entries in its body
+    before the ``secure-aggregation`` task (the engine raises otherwise) and its ledger
+    holds exactly the bare engine's charges (the devices' noise is never seeded, so only
+    the charges are compared)."""
+    from clma.config import validate_config
+    from clma.engine import FederationEngine, open_budget
+    from clma.sim.clients import SimulatedClients
+    from clma.sim.federation import build_federation
+    from flows.federation import federation_flow
+
+    data = _config(tmp_path).model_dump(mode="json")
+    data["evaluation"].update(noise="distributed", noise_seeded=False, bounds_every=0)
+    cfg = validate_config(data)
+    federation_flow(cfg, state_dir=str(tmp_path / "state"))
+    bare_cfg = cfg.model_copy(update={"budget": cfg.budget.model_copy(
+        update={"state_dir": str(tmp_path / "bare-ledger")})})
+    sim = build_federation(bare_cfg)
+    engine = FederationEngine(bare_cfg, sim.assets(), SimulatedClients(sim),
+                              budget=open_budget(bare_cfg))
+    for r in range(1, cfg.rounds + 1):
+        engine.run_round(r)
+    from clma.budget import PrivacyLedger, default_policy
+
+    flow = PrivacyLedger(tmp_path / "state" / "ledger", default_policy())
+
+    def charges(led):
+        return [(e["epoch"], e["round"], e["release"], e["status"], e["events"])
+                for e in led.entries()]
+
+    assert charges(flow) == charges(engine.budget.ledger)
+    assert any(rel == "regional.accuracy" for _, _, rel, _, _ in charges(flow))

@@ -17,7 +17,7 @@ import pytest
 from clma.config import FederationConfig, validate_config
 from clma.device import DeviceSecAgg
 from clma.engine import FederationEngine, open_budget
-from clma.engine.budget import budgeted_evaluation
+from clma.engine.budget import budgeted_evaluation, charge_distributed
 from clma.engine.evaluation import QUANTISATION_LEVELS
 from clma.privacy.secagg import FixedPointQuantiser
 from clma.sim.clients import SimulatedClients
@@ -166,11 +166,11 @@ def secure_sums():
     """``secure_sums(engine, round)``: the secure sums of every client of the roster,
     each evaluating its current cohort's model (no training in between)."""
 
-    def run(engine: FederationEngine, round_number: int):
+    def run(engine: FederationEngine, round_number: int, unmask=None):
         ids = engine.roster.client_ids
         return engine.evaluator.secure_sums(engine.clients, round_number, ids, engine.region_of,
                                             engine.state.assignments(ids),
-                                            engine.state.cohort_models)
+                                            engine.state.cohort_models, unmask=unmask)
 
     return run
 
@@ -178,14 +178,22 @@ def secure_sums():
 @pytest.fixture
 def evaluate_round(secure_sums):
     """``evaluate_round(engine, round, gate=None, step=direct)``: one ledger-driven
-    evaluation round of every client (what ``FederationEngine.evaluate`` runs): returns
+    evaluation round of every client (what ``FederationEngine.evaluate`` runs; in
+    distributed mode the noised releases are charged before the secure sums): returns
     ``(ledger view, EvaluationOutcome)``."""
 
     def run(engine: FederationEngine, round_number: int, *, gate=None, **kw):
         ids = engine.roster.client_ids
-        ev = engine.evaluator.open_round(secure_sums(engine, round_number))
-        view = budgeted_evaluation(engine.evaluator, ev, engine.budget,
-                                   {c: engine.region_of[c] for c in ids}, gate=gate, **kw)
+        region_of = {c: engine.region_of[c] for c in ids}
+        charged = unmask = None
+        if engine.evaluator.distributed:  # charged before secure aggregation
+            groups = engine.evaluator.session_groups(round_number, ids, engine.region_of)
+            charged = charge_distributed(engine.evaluator, engine.budget, groups, region_of,
+                                         round_number, gate=gate)
+            unmask = charged.unmask()
+        ev = engine.evaluator.open_round(secure_sums(engine, round_number, unmask))
+        view = budgeted_evaluation(engine.evaluator, ev, engine.budget, region_of, gate=gate,
+                                   charged=charged, **kw)
         return view, engine.evaluator.finish(ev, budget_view=view)
 
     return run

@@ -489,3 +489,34 @@ def test_ledger_goes_to_the_default_dir_fresh_and_a_temporary_one_is_removed(
     assert "temporary" in tmp.tags()["clma.budget.ledger_path"]
     tmp.close()
     assert list((tmp_path / "tmp").iterdir()) == []
+
+
+def test_borrow_amount_counts_the_zcdp_entries_of_the_line(
+        tiny_config, make_engine, write_policy, tmp_path):
+    """Distributed mode, every round evaluated, regional cadence 1, 3 rounds in one
+    epoch: asked in round 1 with a shortfall of 1, the request covers the shortfall plus
+    the two later rounds' regional entries at their epsilons (2 zCDP entries at 2 and the
+    health release at 0.5: 4.5 a round), not only the Laplace one (0.5 a round)."""
+    from types import SimpleNamespace
+
+    from clma.engine.budget import _borrow_amount
+
+    policy = write_policy(epsilon_per_client_per_epoch=1000.0, regional_cadence_rounds=1,
+                          epoch_length_rounds=10)
+    cfg = tiny_config(evaluation={"noise": "distributed", "noise_seeded": False, "every": 1,
+                                  "health_epsilon": 0.5}, rounds=3)
+    cfg = cfg.model_copy(update={"budget": BudgetConfig(state_dir=str(tmp_path / "s"),
+                                                        policy=str(policy))})
+    engine = make_engine(cfg, budget=True)
+    plans = charge_plans(engine.evaluator)
+    assert sorted((p.name, p.mechanism, p.epsilon) for p in plans
+                  if p.line is LineItem.EVALUATION_REGIONAL) == [
+        ("regional.accuracy", "zcdp", 2.0), ("regional.health.dropout_rate", "laplace", 0.5),
+        ("regional.mean_loss", "zcdp", 2.0)]
+    res = SimpleNamespace(line_cap_epsilon=150.0, line_epsilon_after=151.0)
+    got = _borrow_amount(engine.budget, plans, 1, LineItem.EVALUATION_REGIONAL, res)
+    assert got == pytest.approx(1.0 + 1e-9 * 151.0 + 2 * 4.5, rel=1e-12)
+    # the limit still caps it: half of the next epoch's regional line (0.15 x 1000 / 2)
+    res = SimpleNamespace(line_cap_epsilon=150.0, line_epsilon_after=220.0)
+    assert _borrow_amount(engine.budget, plans, 1, LineItem.EVALUATION_REGIONAL,
+                          res) == pytest.approx(75.0, rel=1e-12)
