@@ -524,8 +524,9 @@ def test_a_node_lost_mid_round_and_a_killed_orchestrator_resume_without_repeats(
     # a deployment of its own (plaintext, seeded noise: the form that passed CI at 9af9b16);
     # the shared one is torn down first (this test runs last), so the two never run at once.
     # With TLS + auth and OpenDP noise on the shared SuperLink the resumed run re-sent round
-    # 4's secagg_advertise instead of replaying it and every device refused (found at
-    # 5e99f70, not yet fixed: see the closing note of stop 24)
+    # 4's secagg_advertise instead of replaying it and every device refused: the graph seed
+    # was a fresh CSPRNG draw per call (now keyed by the server secret, unit-tested in
+    # tests/clma/engine/test_evaluation.py; this form not yet seen green on a deployment)
     deployment.teardown()
     tmp = tmp_path_factory.mktemp("failures")
     port = _free_ports(1, 9700)
