@@ -70,21 +70,13 @@ CFL_EPS2 = 3.5
 
 
 @dataclass(frozen=True)
-class PeerRun:
-    """One baseline run's figures: the fields of :class:`MethodRun` (accuracies in
-    [0, 1], None = not measured; ``ari_per_drift_event`` keyed by the drift round as a
-    string) plus the cluster assignment of every participant at the end of every round
+class PeerRun(MethodRun):
+    """One baseline run's figures: :class:`MethodRun`'s fields (accuracies in [0, 1],
+    None = not measured; ``ari_per_drift_event`` keyed by the drift round as a string)
+    plus the cluster assignment of every participant at the end of every round
     (``assignment_history[round][client] = cluster``) and method notes (``details``:
     CFL's splits, IFCA's ``k``)."""
 
-    method: str
-    seed: int
-    stationary_final_accuracy: float | None
-    stationary_post_drift_accuracy: float | None
-    drifted_final_accuracy: float | None
-    families_separated_every_event: bool
-    ari_per_drift_event: dict[str, float]
-    mlflow_run_id: str | None = None
     assignment_history: dict[int, dict[int, int]] = field(default_factory=dict)
     details: dict[str, Any] = field(default_factory=dict)
 
