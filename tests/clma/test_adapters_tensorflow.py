@@ -120,7 +120,7 @@ def test_trainable_selector_reads_the_model_live():
 
 
 def test_keras_selectors_reach_the_strategys_layout():
-    pytest.importorskip("flwr")
+    pytest.importorskip("flwr", reason="the strategy side needs the flower extra (a keras-only install has no flwr)")
     from clma.flower.arrays import ArrayLayout
     from clma.interop import to_arrayrecord, to_paramdict
 
