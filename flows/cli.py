@@ -32,6 +32,20 @@ def _quiet_prefect_defaults() -> None:
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 
 
+def _prefect_home_refused() -> bool:
+    """True (after printing why) when the local Prefect database was written by another
+    Prefect (:mod:`flows.prefect_home`): refused at once instead of a 120 s time-out."""
+    _quiet_prefect_defaults()
+    from flows.prefect_home import PrefectDatabaseError, check_local_database
+
+    try:
+        check_local_database()
+    except PrefectDatabaseError as exc:
+        print(f"clma: {exc}", file=sys.stderr)
+        return True
+    return False
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="clma",
@@ -237,6 +251,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"clma: invalid configuration: {exc}", file=sys.stderr)
         return 2
+    if _prefect_home_refused():
+        return 2
     try:
         _make_out(args)  # only now: a run refused above leaves no --out folder
     except ConfigError as exc:
@@ -310,7 +326,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_approve(args: argparse.Namespace) -> int:
-    _quiet_prefect_defaults()
+    if _prefect_home_refused():
+        return 2
     from flows.approval import DEFAULT_WAIT_SECONDS, ApprovalError, approve_run
 
     wait = DEFAULT_WAIT_SECONDS if args.wait is None else args.wait
@@ -413,7 +430,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "run":
         return _cmd_run(args)
     if args.command == "serve":
-        _quiet_prefect_defaults()
+        if _prefect_home_refused():
+            return 2
         from flows.serve_cli import cli_serve
 
         return cli_serve(args)
@@ -424,7 +442,8 @@ def main(argv: list[str] | None = None) -> int:
 
         return cli_keygen(args)
     if args.command == "experiment":
-        _quiet_prefect_defaults()
+        if _prefect_home_refused():
+            return 2
         from flows import experiments
 
         return int(experiments.load(args.experiment_name).run(args))

@@ -19,11 +19,6 @@ __all__ = ["HELPERS", "available", "load"]
 HELPERS = frozenset({"peers"})
 
 
-#: Modules of this package that are helpers of experiments, not experiments (no
-#: ``DESCRIPTION`` / ``add_arguments`` / ``run``): ``peers`` holds the CFL and IFCA baselines.
-HELPERS = frozenset({"peers"})
-
-
 def available() -> list[str]:
     """Experiment names (module names with '_' shown as '-'; :data:`HELPERS` excluded)."""
     return sorted(
