@@ -17,6 +17,7 @@ from typing import Any
 
 from clma.drift.cusum import CusumDetector, CusumParams, _params
 from clma.drift.detectors import DriftDetector, LossThresholdDetector, check_loss
+from clma.drift.input_ks import InputKSDetector, InputKSParams
 from clma.drift.river_detectors import (
     ADWINDetector,
     ADWINParams,
@@ -32,6 +33,7 @@ DETECTOR_KINDS: dict[str, tuple[type[DriftDetector], Any]] = {
     "cusum": (CusumDetector, CusumParams),
     "page_hinkley": (PageHinkleyDetector, PageHinkleyParams),
     "adwin": (ADWINDetector, ADWINParams),
+    "input_ks": (InputKSDetector, InputKSParams),
 }
 
 
@@ -78,10 +80,13 @@ class DetectorSpec:
         return cls(kind, tuple(sorted(items.items())))
 
     def build(self, gamma: float) -> DriftDetector:
-        """A fresh detector (``gamma``, nats, is used by ``loss_threshold`` only)."""
+        """A fresh detector (``gamma``, nats, is used by ``loss_threshold`` and by
+        ``input_ks``'s loss-threshold rule only)."""
         det_cls = DETECTOR_KINDS[self.kind][0]
         if det_cls is LossThresholdDetector:
             return LossThresholdDetector(gamma)
+        if det_cls is InputKSDetector:
+            return InputKSDetector(gamma, **dict(self.params))
         return det_cls(**dict(self.params))
 
     def restore(self, state: Mapping[str, Any] | None, gamma: float) -> DriftDetector:
@@ -95,6 +100,8 @@ class DetectorSpec:
             return det
         if isinstance(det, LossThresholdDetector):
             det.load_state_dict({**state, "gamma": float(check_loss(gamma, "gamma"))})
+        elif isinstance(det, InputKSDetector):
+            det.load_state_dict({**state, "params": own["params"], "gamma": det.gamma})
         else:
             det.load_state_dict({**state, "params": own["params"]})
         return det

@@ -8,7 +8,10 @@ buffers in ``state_dict`` order), the layout of the server's initial model. ``fi
 
 1. the received model's mean loss on the current training data, before training
    (``pre_loss_loader``, default the training loader; example-weighted mean over its
-   batches) -- it feeds the on-device drift detector and never leaves the device;
+   batches) -- it feeds the on-device drift detector and never leaves the device; the
+   inputs of that pass, concatenated as float32 numpy (``LocalFit.inputs``), feed an
+   input-based detector (``drift.detector = "input_ks"``) and never leave the device
+   either;
 2. ``local_epochs`` passes of plain minibatch SGD (``learning_rate``) over the training
    loader, one optimizer step per batch.
 
@@ -81,11 +84,12 @@ class TorchLearner:
 
         model = self._model(params)
         model.eval()
-        losses, sizes = [], []
+        losses, sizes, inputs = [], [], []
         with torch.no_grad():
             for x, y in _batches(self.pre_loss_loader, round_number):
                 losses.append(float(self._loss(model(x), y).item()))
                 sizes.append(int(y.shape[0]))
+                inputs.append(x.detach().cpu().numpy().astype(np.float32, copy=False))
         n_pre = sum(sizes)
         if n_pre == 0:
             raise ValueError("pre_loss_loader: yielded no example (a client needs training data)")
@@ -105,7 +109,8 @@ class TorchLearner:
                 n = seen
         if n == 0:
             raise ValueError("train_loader: yielded no example (a client needs training data)")
-        return LocalFit(model_to_vector(model, AllParams()), pre, n)
+        return LocalFit(model_to_vector(model, AllParams()), pre, n,
+                        inputs=np.concatenate(inputs))
 
     def predict(self, params: np.ndarray, round_number: int) -> tuple[np.ndarray, np.ndarray]:
         import torch
