@@ -14,7 +14,8 @@ Empirical Study of Methods for Detecting Dataset Shift", NeurIPS 2019, sec. 3):
 * features with a single value across both samples carry no information (``D = 0``) and
   are skipped; the other ``d`` features are tested with ``scipy.stats.ks_2samp``
   (two-sided, ``method="auto"``: exact for these sample sizes; with ties, as on pixel
-  grids, the p-value is conservative);
+  grids, the p-value is conservative; where scipy's exact computation does not converge
+  it warns and uses the asymptotic p-value -- seen only at ``D = 1/n``, ``p ~ 1``);
 * flag iff ``min_j p_j <= alpha / d`` (Bonferroni): under no drift, with the current
   sample drawn independently of the reference from the same distribution, the
   probability of a flag in one round is at most ``alpha``
