@@ -119,8 +119,11 @@ def feature_ks_pvalues(reference: np.ndarray, current: np.ndarray
         samples), from ``scipy.stats.ks_2samp(reference, current, axis=0)``.
 
     Raises:
-        ValueError: the samples have different numbers of features.
+        ValueError: a sample is not 2-D, or the samples have different numbers of
+            features.
     """
+    if reference.ndim != 2 or current.ndim != 2:
+        raise ValueError("reference, current: must be 2-D arrays (n, d) of feature rows")
     if reference.shape[1] != current.shape[1]:
         raise ValueError(f"inputs: must have the reference's {reference.shape[1]} features "
                          f"per row, got {current.shape[1]}")

@@ -43,7 +43,7 @@ class DetectorSpec:
 
     ``kind``: one of :data:`DETECTOR_KINDS`; ``params``: the parameter model's fields as
     sorted ``(name, value)`` pairs (empty for ``loss_threshold``, whose ``gamma`` travels
-    as ``TrainSettings.drift_gamma``). Build one with :meth:`of`.
+    as ``TrainSettings.drift_gamma``, as does ``input_ks``'s). Build one with :meth:`of`.
 
     Raises:
         ValueError: unknown kind or a parameter outside its domain (names the field).
@@ -78,6 +78,11 @@ class DetectorSpec:
         if DETECTOR_KINDS[kind][1] is None:
             return cls(kind, ())
         return cls(kind, tuple(sorted(items.items())))
+
+    @property
+    def needs_inputs(self) -> bool:
+        """Whether this kind of detector reads the device's inputs (``LocalFit.inputs``)."""
+        return bool(DETECTOR_KINDS[self.kind][0].needs_inputs)
 
     def build(self, gamma: float) -> DriftDetector:
         """A fresh detector (``gamma``, nats, is used by ``loss_threshold`` and by

@@ -49,6 +49,8 @@ def test_pvalues_are_scipys_ks_2samp_per_feature_and_constant_features_are_skipp
     p, t = feature_ks_pvalues(a, b)
     assert t.tolist() == [True] and p[0] == pytest.approx(ks_2samp(a[:, 0], b[:, 0]).pvalue)
     assert p[0] == pytest.approx(2 / 126)  # exact: 2 / C(9, 4)
+    with pytest.raises(ValueError, match="must be 2-D"):
+        feature_ks_pvalues(REF[:, 0], CUR[:, 0])
 
 
 @pytest.mark.parametrize("factor, flag", [(1 - 1e-9, False), (1.0, True), (1 + 1e-9, True)])
@@ -387,8 +389,12 @@ def test_the_torch_learner_gives_the_simulations_training_inputs():
     from clma.sim.clients import SimLearner
 
     cfg, fed = _cov_federation()
-    torch_fit = digits_learner(cfg, 1).fit(fed.initial_model,
-                                            TrainSettings(1, 0.1, 8, 0.5), 2)
+    learner = digits_learner(cfg, 1)
+    settings = TrainSettings(1, 0.1, 8, 0.5, detector=DetectorSpec.of("input_ks"))
+    torch_fit = learner.fit(fed.initial_model, settings, 2)
     sim = SimLearner(fed, fed.clients[1])
-    np.testing.assert_array_equal(torch_fit.inputs, sim.data(2)[0])
+    np.testing.assert_array_equal(torch_fit.inputs, sim.data(2)[0])  # the rotated rows
     assert torch_fit.inputs.dtype == np.float32
+    # a loss-only detector: no copy of the inputs is made
+    assert learner.fit(fed.initial_model, TrainSettings(1, 0.1, 8, 0.5), 2).inputs is None
+    assert DetectorSpec.of("input_ks").needs_inputs and not DetectorSpec().needs_inputs
