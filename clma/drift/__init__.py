@@ -6,7 +6,12 @@ which one to run, and the inference-time monitor (Algorithm 4)."""
 from clma.drift.cusum import CusumDetector, CusumParams, cusum_arl
 from clma.drift.detectors import DriftDetector, LossThresholdDetector, check_loss
 from clma.drift.history import RoundKeyedState
-from clma.drift.input_ks import InputKSDetector, InputKSParams, feature_ks_pvalues
+from clma.drift.input_ks import (
+    InputKSDetector,
+    InputKSParams,
+    feature_ks_pvalues,
+    row_summaries,
+)
 from clma.drift.monitor import InferenceDriftMonitor
 from clma.drift.river_detectors import (
     ADWINDetector,
@@ -20,4 +25,4 @@ __all__ = ["ADWINDetector", "ADWINParams", "CusumDetector", "CusumParams", "DETE
            "DetectorSpec", "DriftDetector", "InferenceDriftMonitor", "InputKSDetector",
            "InputKSParams", "LossThresholdDetector",
            "PageHinkleyDetector", "PageHinkleyParams", "RoundKeyedState", "check_loss",
-           "cusum_arl", "feature_ks_pvalues"]
+           "cusum_arl", "feature_ks_pvalues", "row_summaries"]

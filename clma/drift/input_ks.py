@@ -16,7 +16,14 @@ Empirical Study of Methods for Detecting Dataset Shift", NeurIPS 2019, sec. 3):
   (two-sided, ``method="auto"``: exact for these sample sizes; with ties, as on pixel
   grids, the p-value is conservative; where scipy's exact computation does not converge
   it warns and uses the asymptotic p-value -- seen only at ``D = 1/n``, ``p ~ 1``);
-* flag iff ``min_j p_j <= alpha / d`` (Bonferroni): under no drift, with the current
+* with ``summaries`` (default) the four per-row summary statistics of
+  :func:`row_summaries` (mean, standard deviation, fraction of zeros, mean absolute
+  difference of consecutive features) are tested the same way, as four more features
+  (a departure from the paper, measured: on the default federation's 18-row shards,
+  Gaussian noise of std 0.5 is flagged on 33 of 60 clients by the pixels alone and on
+  60 of 60 with the summaries; rotation and blur on 60 of 60 either way,
+  tests/clma/test_drift_input_ks.py);
+* flag iff ``min_j p_j <= alpha / d`` over all ``d`` tests (Bonferroni): under no drift, with the current
   sample drawn independently of the reference from the same distribution, the
   probability of a flag in one round is at most ``alpha``
   (``1 - (1 - alpha / d)^d <= alpha`` for independent features, and ``<= alpha`` by the
@@ -47,7 +54,7 @@ from clma.drift.cusum import _params
 from clma.drift.detectors import DriftDetector, check_loss
 
 __all__ = ["InputKSDetector", "InputKSParams", "as_feature_rows", "feature_ks_pvalues",
-           "subsample_rows"]
+           "row_summaries", "subsample_rows"]
 
 #: Stream tag mixed into the subsample seed (``default_rng([*seed, SUBSAMPLE_STREAM])``).
 SUBSAMPLE_STREAM = 5171
@@ -58,7 +65,8 @@ class InputKSParams(BaseModel):
 
     ``alpha`` family-wise false-flag rate per round under no drift, in (0, 1);
     ``reference_size`` rows kept and tested (>= 2); ``with_loss_threshold`` also flag a
-    loss rise above ``drift.gamma``.
+    loss rise above ``drift.gamma``; ``summaries`` also test the per-row summary
+    statistics of :func:`row_summaries`.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False,
@@ -73,6 +81,11 @@ class InputKSParams(BaseModel):
     with_loss_threshold: bool = Field(
         default=True, description="Also flag a rise of the loss above drift.gamma (the "
         "loss-threshold rule), so concept drift is caught too.")
+    summaries: bool = Field(
+        default=True, description="Also test four per-row summary statistics (mean, "
+        "standard deviation, fraction of zeros, mean absolute difference of consecutive "
+        "features), Bonferroni over all tests: a shift spread thinly over many features "
+        "(noise) moves each feature little but every row's summaries at once.")
 
 
 def as_feature_rows(inputs: Any, field: str = "inputs") -> np.ndarray:
@@ -104,6 +117,22 @@ def subsample_rows(x: np.ndarray, size: int, seed: Any) -> np.ndarray:
         return x
     idx = np.sort(np.random.default_rng(seed).choice(x.shape[0], size=size, replace=False))
     return x[idx]
+
+
+def row_summaries(x: np.ndarray) -> np.ndarray:
+    """Four summary statistics of each row of ``x`` ``(n, d)``: float64 ``(n, 4)`` of the
+    mean, the standard deviation (``ddof=0``), the fraction of features exactly 0 and the
+    mean absolute difference of consecutive features (``0`` when ``d == 1``).
+
+    For images flattened row-major these are brightness, contrast, sparsity and
+    roughness (horizontal total variation per pixel): additive noise leaves each pixel's
+    distribution moderately changed but raises every image's roughness and lowers its
+    sparsity; blur does the opposite; a rotation moves the pixel marginals themselves.
+    """
+    x = np.asarray(x, dtype=np.float64)
+    rough = (np.abs(np.diff(x, axis=1)).mean(axis=1) if x.shape[1] > 1
+             else np.zeros(x.shape[0]))
+    return np.stack([x.mean(axis=1), x.std(axis=1), (x == 0.0).mean(axis=1), rough], axis=1)
 
 
 def feature_ks_pvalues(reference: np.ndarray, current: np.ndarray
@@ -197,7 +226,7 @@ class InputKSDetector(DriftDetector):
         p = self.params
         return (f"InputKSDetector(gamma={self.gamma}, alpha={p.alpha}, "
                 f"reference_size={p.reference_size}, "
-                f"with_loss_threshold={p.with_loss_threshold})")
+                f"with_loss_threshold={p.with_loss_threshold}, summaries={p.summaries})")
 
     def update(self, loss: float, inputs: Any = None, *,
                seed: int | Sequence[int] | None = None) -> bool:
@@ -222,7 +251,11 @@ class InputKSDetector(DriftDetector):
         if self.reference is None:
             self.last_min_pvalue, self.last_n_tested = None, 0
         else:
-            pvals, tested = feature_ks_pvalues(self.reference, x)
+            ref, cur = self.reference, x
+            if self.params.summaries:
+                ref = np.hstack([ref, row_summaries(ref)])
+                cur = np.hstack([cur, row_summaries(cur)])
+            pvals, tested = feature_ks_pvalues(ref, cur)
             d = int(tested.sum())
             self.last_n_tested = d
             self.last_min_pvalue = float(pvals.min()) if d else None
