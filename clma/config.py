@@ -32,6 +32,7 @@ from pydantic import (
 
 from clma._validation import field_errors
 from clma.drift.cusum import CusumParams
+from clma.drift.input_ks import InputKSParams
 from clma.drift.river_detectors import ADWINParams, PageHinkleyParams
 from clma.drift.spec import DetectorSpec
 
@@ -145,7 +146,9 @@ class DriftConfig(_Strict):
     ``loss_threshold`` (CLMA Algorithm 2: a rise of more than ``gamma`` nats), ``cusum``
     (one-sided CUSUM of rises standardised by the client's own robust scale, parameters
     ``[drift.cusum]``), ``page_hinkley`` / ``adwin`` (river's detectors, parameters
-    ``[drift.page_hinkley]`` / ``[drift.adwin]``; need the ``drift`` extra). The chosen
+    ``[drift.page_hinkley]`` / ``[drift.adwin]``; need the ``drift`` extra), ``input_ks``
+    (per-feature KS tests of the device's inputs against its reference sample, Bonferroni
+    corrected, or-ed with the loss threshold; parameters ``[drift.input_ks]``). The chosen
     detector's parameters travel to the devices with the round's training settings.
     """
 
@@ -154,17 +157,18 @@ class DriftConfig(_Strict):
         description="A client flags drift when its local loss rises by more than gamma (nats) "
         "over its previous round (CLMA Algorithm 2; detector = 'loss_threshold').",
     )
-    detector: Literal["loss_threshold", "cusum", "page_hinkley", "adwin"] = Field(
+    detector: Literal["loss_threshold", "cusum", "page_hinkley", "adwin", "input_ks"] = Field(
         default="loss_threshold", description="The on-device drift detector.")
     cusum: CusumParams = Field(default_factory=CusumParams)
     page_hinkley: PageHinkleyParams = Field(default_factory=PageHinkleyParams)
     adwin: ADWINParams = Field(default_factory=ADWINParams)
+    input_ks: InputKSParams = Field(default_factory=InputKSParams)
     events: list[DriftEvent] = Field(default_factory=list)
 
     def detector_spec(self) -> DetectorSpec:
         """The :class:`clma.drift.DetectorSpec` the devices receive."""
         params = {"cusum": self.cusum, "page_hinkley": self.page_hinkley,
-                  "adwin": self.adwin}.get(self.detector)
+                  "adwin": self.adwin, "input_ks": self.input_ks}.get(self.detector)
         return DetectorSpec.of(self.detector, params)
 
 

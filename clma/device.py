@@ -7,9 +7,10 @@ once:
 * :func:`train_on_device` — the CLMA client round (Algorithm 2): the received model's
   loss on the current local data before training feeds the on-device drift detector
   that ``settings.detector`` names (:class:`clma.drift.DetectorSpec`: the loss threshold
-  by default, or CUSUM / Page-Hinkley / ADWIN; state keyed by round:
+  by default, or CUSUM / Page-Hinkley / ADWIN, or the KS test of the device's own inputs
+  ``input_ks``, given :attr:`LocalFit.inputs`; state keyed by round:
   :class:`clma.drift.RoundKeyedState`), then local training; the reply holds the model,
-  the sample count and the flag bit — never the loss;
+  the sample count and the flag bit — never the loss, never the inputs;
 * :func:`quantised_report` — the on-device metric report (:func:`clma.metrics.compute_device_report`),
   clipped to the announced layout and quantised to integers in ``[0, Q]``;
 * :class:`DeviceSecAgg` — the device's secure-aggregation state of one round (one
@@ -70,12 +71,17 @@ class LocalFit:
 
     ``params``: float32 ``(n_params,)`` trained model; ``pre_loss``: the received model's
     mean loss on the current local training data before training (nats; stays on the
-    device); ``n_samples``: local training examples (>= 1).
+    device); ``n_samples``: local training examples (>= 1); ``inputs``: the current local
+    training inputs ``(n, ...)`` (float; stays on the device, never in any reply: it feeds
+    an input-based drift detector such as ``input_ks``, whose state keeps a subsample of
+    it on the device). None: this learner gives no inputs (a detector that needs them
+    then fails the round).
     """
 
     params: np.ndarray
     pre_loss: float
     n_samples: int
+    inputs: np.ndarray | None = None
 
 
 class LocalLearner(Protocol):
@@ -97,11 +103,24 @@ def train_on_device(client_id: int, cohort_id: int, params: np.ndarray, settings
     """One client's training step (module docstring); updates ``history`` for the round.
 
     The detector starts from the state of the last round before ``round_number``, so a
-    round asked again (server retry) gives the same flag.
+    round asked again (server retry) gives the same flag; a detector that tests inputs
+    gets ``fit.inputs`` and the seed ``(client_id, round_number)`` for its subsample.
+
+    Raises:
+        ValueError: the detector needs inputs and the learner gave none (names
+            ``drift.detector``; ``history`` is unchanged). A transport turns it into a
+            dropout of this client.
     """
     fit = learner.fit(np.asarray(params, dtype=np.float32), settings, round_number)
     det = settings.detector.restore(history.before(round_number), settings.drift_gamma)
-    flag = bool(det.update(fit.pre_loss))
+    if det.needs_inputs:
+        if fit.inputs is None:
+            raise ValueError(f"drift.detector: {settings.detector.kind} needs the device's "
+                             "current inputs (LocalFit.inputs) and this learner gives none")
+        flag = bool(det.update(fit.pre_loss, fit.inputs,  # type: ignore[call-arg]
+                               seed=(int(client_id), int(round_number))))
+    else:
+        flag = bool(det.update(fit.pre_loss))
     history.record(round_number, det.state_dict())
     return ClientUpdate(int(client_id), int(cohort_id), np.asarray(fit.params, dtype=np.float32),
                         int(fit.n_samples), flag)

@@ -1,7 +1,9 @@
 """On-device drift detectors (CLMA, Algorithm 2: local loss-threshold drift flag).
 
 :class:`DriftDetector` is the extension point: one detector per client, fed one loss per
-round, returning True when drift is flagged. Its state is a plain JSON-able dict
+round, returning True when drift is flagged. A detector whose class sets
+``needs_inputs = True`` (:class:`clma.drift.InputKSDetector`) is also given the device's
+current inputs: ``update(loss, inputs, seed=...)``. Its state is a plain JSON-able dict
 (:meth:`DriftDetector.state_dict`) so the client side of a simulation can persist it
 between flow runs.
 """
@@ -10,7 +12,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, ClassVar
 
 __all__ = ["DriftDetector", "LossThresholdDetector", "check_loss"]
 
@@ -27,7 +29,15 @@ def check_loss(loss: object, field: str = "loss") -> float:
 
 
 class DriftDetector(ABC):
-    """Extension point: a per-client drift detector fed one loss per observation."""
+    """Extension point: a per-client drift detector fed one loss per observation.
+
+    ``needs_inputs``: False for loss-only detectors (``update(loss)``); True for a detector
+    that also tests the device's inputs (``update(loss, inputs, seed=...)``; the device
+    then fails the round with an error naming ``drift.detector`` if its learner gives no
+    inputs).
+    """
+
+    needs_inputs: ClassVar[bool] = False
 
     @abstractmethod
     def update(self, loss: float) -> bool:

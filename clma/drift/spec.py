@@ -17,6 +17,7 @@ from typing import Any
 
 from clma.drift.cusum import CusumDetector, CusumParams, _params
 from clma.drift.detectors import DriftDetector, LossThresholdDetector, check_loss
+from clma.drift.input_ks import InputKSDetector, InputKSParams
 from clma.drift.river_detectors import (
     ADWINDetector,
     ADWINParams,
@@ -32,6 +33,7 @@ DETECTOR_KINDS: dict[str, tuple[type[DriftDetector], Any]] = {
     "cusum": (CusumDetector, CusumParams),
     "page_hinkley": (PageHinkleyDetector, PageHinkleyParams),
     "adwin": (ADWINDetector, ADWINParams),
+    "input_ks": (InputKSDetector, InputKSParams),
 }
 
 
@@ -41,7 +43,7 @@ class DetectorSpec:
 
     ``kind``: one of :data:`DETECTOR_KINDS`; ``params``: the parameter model's fields as
     sorted ``(name, value)`` pairs (empty for ``loss_threshold``, whose ``gamma`` travels
-    as ``TrainSettings.drift_gamma``). Build one with :meth:`of`.
+    as ``TrainSettings.drift_gamma``, as does ``input_ks``'s). Build one with :meth:`of`.
 
     Raises:
         ValueError: unknown kind or a parameter outside its domain (names the field).
@@ -77,11 +79,19 @@ class DetectorSpec:
             return cls(kind, ())
         return cls(kind, tuple(sorted(items.items())))
 
+    @property
+    def needs_inputs(self) -> bool:
+        """Whether this kind of detector reads the device's inputs (``LocalFit.inputs``)."""
+        return bool(DETECTOR_KINDS[self.kind][0].needs_inputs)
+
     def build(self, gamma: float) -> DriftDetector:
-        """A fresh detector (``gamma``, nats, is used by ``loss_threshold`` only)."""
+        """A fresh detector (``gamma``, nats, is used by ``loss_threshold`` and by
+        ``input_ks``'s loss-threshold rule only)."""
         det_cls = DETECTOR_KINDS[self.kind][0]
         if det_cls is LossThresholdDetector:
             return LossThresholdDetector(gamma)
+        if det_cls is InputKSDetector:
+            return InputKSDetector(gamma, **dict(self.params))
         return det_cls(**dict(self.params))
 
     def restore(self, state: Mapping[str, Any] | None, gamma: float) -> DriftDetector:
@@ -95,6 +105,8 @@ class DetectorSpec:
             return det
         if isinstance(det, LossThresholdDetector):
             det.load_state_dict({**state, "gamma": float(check_loss(gamma, "gamma"))})
+        elif isinstance(det, InputKSDetector):
+            det.load_state_dict({**state, "params": own["params"], "gamma": det.gamma})
         else:
             det.load_state_dict({**state, "params": own["params"]})
         return det

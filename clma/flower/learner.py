@@ -8,7 +8,10 @@ buffers in ``state_dict`` order), the layout of the server's initial model. ``fi
 
 1. the received model's mean loss on the current training data, before training
    (``pre_loss_loader``, default the training loader; example-weighted mean over its
-   batches) -- it feeds the on-device drift detector and never leaves the device;
+   batches) -- it feeds the on-device drift detector and never leaves the device; when
+   the round's detector reads inputs (``drift.detector = "input_ks"``), the inputs of that
+   pass, concatenated as float32 numpy, are ``LocalFit.inputs`` (tensors, on the device
+   only; otherwise None, so a loss-only detector costs no copy);
 2. ``local_epochs`` passes of plain minibatch SGD (``learning_rate``) over the training
    loader, one optimizer step per batch.
 
@@ -81,11 +84,14 @@ class TorchLearner:
 
         model = self._model(params)
         model.eval()
-        losses, sizes = [], []
+        losses, sizes, inputs = [], [], []
+        keep_inputs = settings.detector.needs_inputs
         with torch.no_grad():
             for x, y in _batches(self.pre_loss_loader, round_number):
                 losses.append(float(self._loss(model(x), y).item()))
                 sizes.append(int(y.shape[0]))
+                if keep_inputs:
+                    inputs.append(x.detach().cpu().numpy().astype(np.float32, copy=False))
         n_pre = sum(sizes)
         if n_pre == 0:
             raise ValueError("pre_loss_loader: yielded no example (a client needs training data)")
@@ -105,7 +111,8 @@ class TorchLearner:
                 n = seen
         if n == 0:
             raise ValueError("train_loader: yielded no example (a client needs training data)")
-        return LocalFit(model_to_vector(model, AllParams()), pre, n)
+        return LocalFit(model_to_vector(model, AllParams()), pre, n,
+                        inputs=np.concatenate(inputs) if keep_inputs else None)
 
     def predict(self, params: np.ndarray, round_number: int) -> tuple[np.ndarray, np.ndarray]:
         import torch

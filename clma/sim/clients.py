@@ -113,7 +113,8 @@ class DeviceStore:
 
 class SimLearner:
     """A simulated device's :class:`clma.device.LocalLearner`: the federation's MLP on the
-    client's shard, drifted as of the round asked."""
+    client's shard, drifted as of the round asked (``fit`` also gives the drifted
+    training inputs, for an input-based drift detector)."""
 
     def __init__(self, federation: SimulatedFederation, client: SimClient) -> None:
         self.fed = federation
@@ -138,7 +139,7 @@ class SimLearner:
         res = local_train(self.fed.spec, params, tx, ty, epochs=settings.local_epochs,
                           learning_rate=settings.learning_rate, batch_size=settings.batch_size,
                           rng=rng)
-        return LocalFit(res.vector, res.pre_loss, res.n_samples)
+        return LocalFit(res.vector, res.pre_loss, res.n_samples, inputs=tx)
 
     def predict(self, params: np.ndarray, round_number: int) -> tuple[np.ndarray, np.ndarray]:
         _, _, ex, ey = self.data(round_number)

@@ -25,8 +25,10 @@ Methods (:data:`METHODS`): ``clma`` (today's defaults: ``cohort.components = "va
 ``clma_improved`` (``cohort.components = "broken_stick"``, ``cohort.direction_rule =
 "none"``: :mod:`clma.cohort.cohorter`, "Label-skewed clients"), ``cfl`` and ``ifca``
 (:mod:`flows.experiments.peers`), ``fedavg`` (``cohort.enabled = false``). On covariate
-scenarios the CLMA methods run once per on-device detector (``drift.detector``), named
-``<method>[<detector>]``.
+scenarios the CLMA methods run once per on-device detector (``drift.detector``:
+:data:`DETECTORS`, the loss-based ``loss_threshold``, ``cusum``, ``page_hinkley``,
+``adwin`` and ``input_ks``, the KS test of each device's own inputs joined with the loss
+threshold), named ``<method>[<detector>]``.
 
 CLMA and FedAvg run through the bare round engine (:class:`clma.engine.FederationEngine`
 with the simulated clients, no Prefect), with the private evaluation off
@@ -85,7 +87,7 @@ DEFAULT_SEEDS = (0, 1, 2, 3, 4)
 METHODS = ("clma", "clma_improved", "cfl", "ifca", "fedavg")
 METHOD_LABELS = {"clma": "CLMA (today)", "clma_improved": "CLMA (improved)", "cfl": "CFL",
                  "ifca": "IFCA", "fedavg": "FedAvg"}
-DETECTORS = ("loss_threshold", "cusum", "page_hinkley", "adwin")
+DETECTORS = ("loss_threshold", "cusum", "page_hinkley", "adwin", "input_ks")
 PARTITIONS = {"iid": None, "a5": 5.0, "a1": 1.0, "a05": 0.5}
 FAMILIES = ("label2", "label3", "cov-rotnoise", "cov-blurrot")
 SCENARIOS = tuple(f"{f}-{p}" for f in FAMILIES for p in PARTITIONS)

@@ -83,6 +83,33 @@ def test_roster_and_training_keep_the_detector_on_the_node(run_id, world):
     assert again.content["metrics"]["drift-flag"] == 1
 
 
+def test_the_input_ks_detector_runs_on_the_node_as_in_the_simulation(run_id, world):
+    from clma.drift import DetectorSpec
+
+    cfg, fed = world
+    app, ctx = make_client_app(), _ctx(cfg, 2)
+    sim = SimulatedClients(fed, client_ids=[2])
+    t = cfg.training
+    settings = TrainSettings(t.local_epochs, t.learning_rate, t.batch_size, cfg.drift.gamma,
+                             detector=DetectorSpec.of("input_ks"))
+    flags, model = [], fed.initial_model
+    for rnd in (1, 2, 3):
+        req = TrainRequest(rnd, {2: 0}, {0: model}, settings)
+        reply = app(_msg(codec.encode_train_request(req, 2), "train", 102), ctx)
+        got = codec.decode_train_reply(reply.content, round_number=rnd, client_id=2,
+                                       cohort_id=0, n_params=fed.initial_model.shape[0])
+        want = sim.train(req).ok[2]
+        assert (got.n_samples, got.drift_flag) == (want.n_samples, want.drift_flag)
+        assert set(reply.content.keys()) == {"clma", "arrays", "metrics"}  # no inputs sent
+        flags.append(got.drift_flag)
+        model = got.params
+    # label rotation at round 3: the inputs are unchanged, the loss-threshold part flags
+    assert flags == [False, False, True]
+    node = DeviceState.load(ctx).detector.before(4)
+    assert node["kind"] == "InputKSDetector" and node["reference"]["dtype"] == "float32"
+    assert node == sim.store.load(2).before(4)
+
+
 def test_bad_messages_get_error_replies_and_the_node_keeps_answering(run_id, world):
     cfg, fed = world
     app, ctx = make_client_app(), _ctx(cfg, 1)

@@ -47,6 +47,16 @@ def test_method_configs() -> None:
         rd.method_config(base, "fedprox", 0)
 
 
+def test_the_input_ks_detector_is_one_of_the_detectors_run() -> None:
+    assert rd.DETECTORS[-1] == "input_ks" and "loss_threshold" in rd.DETECTORS
+    args = build_parser().parse_args(["experiment", "realistic-drift", "--detectors",
+                                      "input_ks", "loss_threshold"])
+    assert args.detectors == ["input_ks", "loss_threshold"]
+    cfg = rd.method_config(rd.scenario_config("cov-blurrot-a1"), "clma_improved", 0,
+                           "input_ks")
+    assert cfg.drift.detector_spec().kind == "input_ks"
+
+
 def _run(method: str, seed: int, aris: dict[str, float], acc: float) -> rd.RunFigures:
     return rd.RunFigures("label2-a1", method, seed, aris, acc, acc - 0.1, 1.0, 0.0)
 
