@@ -39,14 +39,27 @@ Scores (:data:`SCORES`; robust z across the round's clients for each):
 * ``parameter``: the parameter baseline (cosine distance of the update to the leave-one-out mean
   update), as in the production round.
 
-Per federation the cells file also holds the two-sided readings (issue 20): the fraction of
-rounds in which the perturbed client has the largest ``|z|``, the AUC of ``|z|`` and the mean
-``|z|`` of the perturbed client. Defaults (issue 20): seeds 0 1 2, 30 rounds.
+Per federation and score (``atypical_client_sweep_cells.csv``, :data:`CELL_COLUMNS`), over
+rounds ``2..R``: the strict top-1 fraction, AUC and mean z of the perturbed client, and the
+two-sided readings of issue 20 (top-1 fraction and AUC by ``|z|``, mean ``|z|``); then, with
+the production experiment's definitions (:func:`federation_readings`): the perturbed client's
+mean rank by z and by ``|z|``, the regular clients' median z and 90th percentile of ``|z|`` in
+the first and second half of the scored rounds (stable when the second is not larger), rounds
+with ``|z| > z_threshold``, and the persistent flag (the library's EWMA rule and defaults,
+:mod:`clma.divergence.flags`): first round, round from which it holds to ``R``, regular
+clients ever flagged. Defaults (issue 20): seeds 0 1 2, 30 rounds.
 
-Reported per (regime, score): the fraction of rounds ``2..R`` in which the perturbed client has
-strictly the highest z, per (alpha, perturbation), averaged over ``--seeds``, and the number of
-(alpha in {10, 1}) x perturbation cells where that mean reaches the issue's 0.8. MLflow: one run
-in experiment ``--experiment`` (default ``atypical-client-sweep``) with the tables as artifacts.
+Reported per (regime, score) (``atypical_client_sweep.md``): the fraction of rounds ``2..R``
+in which the perturbed client has strictly the highest z, per (alpha, perturbation), averaged
+over ``--seeds``; ``cells_at_target``, the number of (alpha in {10, 1}) x perturbation cells
+where that mean reaches issue 6's 0.8; ``mean_auc_abs``; and issue 20's targets per cell
+(:func:`cell_means`, ``atypical_client_sweep_cell_means.md``): ``cells_separated`` (seed-mean
+``|z|`` >= 2 and AUC by ``|z|`` >= 0.8) and ``cells_persistent`` (flagged persistently by round
+10 in every seed, at most one regular client flagged per federation). Each federation is
+written to ``--out/cells/`` as it finishes; ``--resume`` reuses those files (an interrupted
+sweep continues; a sweep over a subset of the regimes tabulates the finished ones). MLflow:
+one run in experiment ``--experiment`` (default ``atypical-client-sweep``) with the tables as
+artifacts.
 """
 
 from __future__ import annotations
@@ -76,7 +89,11 @@ representation_consensus = to the other clients' mean affinity; representation_p
 affinity change to the others' mean change; representation_cumulative_z = mean z over rounds
 1..r; parameter = the leave-one-out cosine parameter baseline.
 cells: fraction of rounds 2..R in which client 0 has strictly the highest robust z (mean over
---seeds); cells_at_target: cells at alpha 10 or 1 whose mean reaches 0.8 (issue 6's target).
+--seeds); cells_at_target: cells at alpha 10 or 1 whose mean reaches 0.8 (issue 6's target);
+cells_separated: mean |z| >= 2 and AUC by |z| >= 0.8; cells_persistent: persistent flag by
+round 10 in every seed, <= 1 regular client flagged per federation (issue 20's targets;
+per-cell readings in atypical_client_sweep_cell_means.md). Each federation is written to
+--out/cells as it finishes; --resume reuses them.
 regimes: default (5 epochs, lr 0.3, MLP [64, 32], 128 clean probes), gentle-sgd (lr 0.05),
 wide-mlp ([256, 128]), probe-256, uniform-probe (U[0,1] probe inputs), strong-perturbation
 (2x magnitudes). Results go to --out and to the MLflow experiment --experiment."""
