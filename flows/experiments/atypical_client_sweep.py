@@ -39,14 +39,27 @@ Scores (:data:`SCORES`; robust z across the round's clients for each):
 * ``parameter``: the parameter baseline (cosine distance of the update to the leave-one-out mean
   update), as in the production round.
 
-Per federation the cells file also holds the two-sided readings (issue 20): the fraction of
-rounds in which the perturbed client has the largest ``|z|``, the AUC of ``|z|`` and the mean
-``|z|`` of the perturbed client. Defaults (issue 20): seeds 0 1 2, 30 rounds.
+Per federation and score (``atypical_client_sweep_cells.csv``, :data:`CELL_COLUMNS`), over
+rounds ``2..R``: the strict top-1 fraction, AUC and mean z of the perturbed client, and the
+two-sided readings of issue 20 (top-1 fraction and AUC by ``|z|``, mean ``|z|``); then, with
+the production experiment's definitions (:func:`federation_readings`): the perturbed client's
+mean rank by z and by ``|z|``, the regular clients' median z and 90th percentile of ``|z|`` in
+the first and second half of the scored rounds (stable when the second is not larger), rounds
+with ``|z| > z_threshold``, and the persistent flag (the library's EWMA rule and defaults,
+:mod:`clma.divergence.flags`): first round, round from which it holds to ``R``, regular
+clients ever flagged. Defaults (issue 20): seeds 0 1 2, 30 rounds.
 
-Reported per (regime, score): the fraction of rounds ``2..R`` in which the perturbed client has
-strictly the highest z, per (alpha, perturbation), averaged over ``--seeds``, and the number of
-(alpha in {10, 1}) x perturbation cells where that mean reaches the issue's 0.8. MLflow: one run
-in experiment ``--experiment`` (default ``atypical-client-sweep``) with the tables as artifacts.
+Reported per (regime, score) (``atypical_client_sweep.md``): the fraction of rounds ``2..R``
+in which the perturbed client has strictly the highest z, per (alpha, perturbation), averaged
+over ``--seeds``; ``cells_at_target``, the number of (alpha in {10, 1}) x perturbation cells
+where that mean reaches issue 6's 0.8; ``mean_auc_abs``; and issue 20's targets per cell
+(:func:`cell_means`, ``atypical_client_sweep_cell_means.md``): ``cells_separated`` (seed-mean
+``|z|`` >= 2 and AUC by ``|z|`` >= 0.8) and ``cells_persistent`` (flagged persistently by round
+10 in every seed, at most one regular client flagged per federation). Each federation is
+written to ``--out/cells/`` as it finishes; ``--resume`` reuses those files (an interrupted
+sweep continues; a sweep over a subset of the regimes tabulates the finished ones). MLflow:
+one run in experiment ``--experiment`` (default ``atypical-client-sweep``) with the tables as
+artifacts.
 """
 
 from __future__ import annotations
@@ -56,7 +69,7 @@ import csv
 import json
 import math
 from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -76,7 +89,11 @@ representation_consensus = to the other clients' mean affinity; representation_p
 affinity change to the others' mean change; representation_cumulative_z = mean z over rounds
 1..r; parameter = the leave-one-out cosine parameter baseline.
 cells: fraction of rounds 2..R in which client 0 has strictly the highest robust z (mean over
---seeds); cells_at_target: cells at alpha 10 or 1 whose mean reaches 0.8 (issue 6's target).
+--seeds); cells_at_target: cells at alpha 10 or 1 whose mean reaches 0.8 (issue 6's target);
+cells_separated: mean |z| >= 2 and AUC by |z| >= 0.8; cells_persistent: persistent flag by
+round 10 in every seed, <= 1 regular client flagged per federation (issue 20's targets;
+per-cell readings in atypical_client_sweep_cell_means.md). Each federation is written to
+--out/cells as it finishes; --resume reuses them.
 regimes: default (5 epochs, lr 0.3, MLP [64, 32], 128 clean probes), gentle-sgd (lr 0.05),
 wide-mlp ([256, 128]), probe-256, uniform-probe (U[0,1] probe inputs), strong-perturbation
 (2x magnitudes). Results go to --out and to the MLflow experiment --experiment."""
@@ -85,6 +102,11 @@ PERTURBATIONS = ("gaussian_noise", "rotation", "blur")
 MAGNITUDE = {"gaussian_noise": 0.3, "rotation": 45.0, "blur": 1.0}
 TARGET_ALPHAS = (10.0, 1.0)
 TARGET_TOP1 = 0.8
+#: Issue 20's targets (as ``flows.experiments.atypical_client``).
+TARGET_MEAN_ABS_Z = 2.0
+TARGET_AUC_ABS = 0.8
+TARGET_PERSISTENT_BY = 10
+TARGET_MAX_REGULAR_PERSISTENT = 1
 
 SCORES = (
     "representation",
@@ -119,9 +141,16 @@ REGIMES: dict[str, Regime] = {
     "strong-perturbation": Regime(magnitude_scale=2.0),
 }
 
+#: Per-federation readings taken from :func:`flows.experiments.atypical_client.
+#: summarise_federation` (the production experiment's definitions, on the sweep's z).
+FEDERATION_READINGS = ("mean_rank", "mean_rank_abs", "regular_median_z",
+                       "regular_abs_z_p90_early", "regular_abs_z_p90_late",
+                       "rounds_flagged_two_sided", "persistent_first_round",
+                       "persistent_held_from", "regular_persistent_clients")
+
 CELL_COLUMNS = ["regime", "score", "alpha", "perturbation", "seed", "top1_fraction", "auc",
                 "mean_z_shifted", "top1_abs_z_fraction", "auc_abs_z", "mean_abs_z_shifted",
-                "rounds_scored", "update_spikes"]
+                *FEDERATION_READINGS, "rounds_scored", "update_spikes"]
 
 
 # ------------------------------------------------------------------------------ scoring
@@ -174,6 +203,38 @@ def round_scores(
     out["representation_update_cosine"] = cosine_distance_to_mean(change, leave_one_out=True)
     out["parameter"] = cosine_distance_to_mean(updates, leave_one_out=True)
     return out
+
+
+def federation_readings(z: np.ndarray, shifted: int, divergence: Any) -> dict[str, Any]:
+    """Rank, regular-client spread and persistent flag of one federation and score.
+
+    Args:
+        z: ``(R, n)`` float64 robust z, rounds ``1..R`` in order, clients in id order.
+        shifted: the perturbed client's id (column).
+        divergence: a :class:`clma.config.DivergenceConfig` (``z_threshold`` and the
+            persistence EWMA's ``persistence_lambda`` / ``_clip`` / ``_threshold``).
+
+    Returns:
+        :data:`FEDERATION_READINGS` -> value, as
+        :func:`flows.experiments.atypical_client.summarise_federation` defines them on the
+        production experiment's traces: ranks (1 = most atypical, ties rank the shifted
+        client first), the regular clients' median z and 90th percentile of ``|z|`` over the
+        first / second half of rounds ``2..R``, rounds ``2..R`` with ``|z| > z_threshold``,
+        the first round (from 1) the shifted client is flagged persistently (the library's
+        rule, EWMA from round 1), the first round from which it stays flagged to ``R``
+        (``None`` if never), and the number of regular clients ever flagged persistently.
+    """
+    from flows.experiments.atypical_client import PersistenceRule, summarise_federation
+
+    rule = PersistenceRule("config", divergence.persistence_lambda,
+                           divergence.persistence_clip, divergence.persistence_threshold,
+                           True, divergence.z_threshold)
+    rows = [{"seed": 0, "alpha": 0.0, "perturbation": "", "signal": "score",
+             "round": t + 1, "client": c, "z": float(z[t, c]), "ewma": math.nan}
+            for t in range(z.shape[0]) for c in range(z.shape[1])]
+    stats = summarise_federation(rows, "score", shifted, z_threshold=divergence.z_threshold,
+                                 rule=rule)
+    return {k: stats[k] for k in FEDERATION_READINGS}
 
 
 # ------------------------------------------------------------------------------ one cell
@@ -262,6 +323,7 @@ def run_cell(regime_name: str, alpha: float, perturbation: str, seed: int, round
 
     out = []
     for name in SCORES:
+        readings = federation_readings(np.array(zs[name]), shifted, cfg.divergence)
         z = np.array(zs[name][1:])  # rounds 2..R
         others = np.delete(z, shifted, axis=1)
         top = int(np.sum(z[:, shifted] > others.max(axis=1)))
@@ -279,6 +341,7 @@ def run_cell(regime_name: str, alpha: float, perturbation: str, seed: int, round
             "auc_abs_z": (float(roc_auc_score(labels.ravel(), np.abs(z).ravel()))
                           if finite else math.nan),
             "mean_abs_z_shifted": float(np.mean(np.abs(z[:, shifted]))),
+            **readings,
             "rounds_scored": z.shape[0],
             "update_spikes": spikes,
         })
@@ -288,17 +351,67 @@ def run_cell(regime_name: str, alpha: float, perturbation: str, seed: int, round
 # ------------------------------------------------------------------------------ tables
 
 
+def _mean(values: Sequence[Any]) -> float:
+    vals = [v for v in values if v is not None and math.isfinite(v)]
+    return float(np.mean(vals)) if vals else math.nan
+
+
+def cell_means(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (regime, score, alpha, perturbation): readings averaged over the seeds.
+
+    ``persistent_first_round``: mean over the seeds where the flag was raised (None if in
+    none); ``seeds_persistent_by_10``: seeds whose shifted client was flagged persistently by
+    round :data:`TARGET_PERSISTENT_BY`; ``max_regular_persistent``: the most regular clients
+    flagged persistently in one federation; ``separated``: mean ``|z|`` of the shifted client
+    >= :data:`TARGET_MEAN_ABS_Z` and mean AUC by ``|z|`` >= :data:`TARGET_AUC_ABS` (issue 20);
+    ``persistent``: flagged by round 10 in every seed with at most
+    :data:`TARGET_MAX_REGULAR_PERSISTENT` regular client flagged in every federation."""
+    keys = sorted({(c["regime"], c["score"], c["alpha"], c["perturbation"]) for c in cells},
+                  key=lambda k: (list(REGIMES).index(k[0]), SCORES.index(k[1]), -k[2],
+                                 PERTURBATIONS.index(k[3])))
+    out = []
+    for regime, score, alpha, pert in keys:
+        sel = [c for c in cells
+               if (c["regime"], c["score"], c["alpha"], c["perturbation"])
+               == (regime, score, alpha, pert)]
+        row: dict[str, Any] = {"regime": regime, "score": score, "alpha": alpha,
+                               "perturbation": pert, "seeds": len(sel)}
+        for col in ("top1_fraction", "top1_abs_z_fraction", "auc", "auc_abs_z",
+                    "mean_z_shifted", "mean_abs_z_shifted", "mean_rank", "mean_rank_abs",
+                    "regular_abs_z_p90_early", "regular_abs_z_p90_late"):
+            row[col] = _mean([c[col] for c in sel])
+        firsts = [c["persistent_first_round"] for c in sel
+                  if c["persistent_first_round"] is not None]
+        row["persistent_first_round"] = float(np.mean(firsts)) if firsts else None
+        row["seeds_persistent_by_10"] = sum(
+            f <= TARGET_PERSISTENT_BY for f in firsts)
+        row["max_regular_persistent"] = max(c["regular_persistent_clients"] for c in sel)
+        row["separated"] = bool(row["mean_abs_z_shifted"] >= TARGET_MEAN_ABS_Z
+                                and row["auc_abs_z"] >= TARGET_AUC_ABS)
+        row["persistent"] = bool(
+            row["seeds_persistent_by_10"] == len(sel)
+            and row["max_regular_persistent"] <= TARGET_MAX_REGULAR_PERSISTENT)
+        out.append(row)
+    return out
+
+
 def summarise(cells: list[dict[str, Any]], alphas: Sequence[float],
               perturbations: Sequence[str]) -> list[dict[str, Any]]:
     """One row per (regime, score): mean top-1 fraction over seeds per (alpha, perturbation),
-    mean AUC, and ``cells_at_target`` = cells with alpha in {10, 1} whose mean top-1 >= 0.8."""
+    mean AUC, and ``cells_at_target`` = cells with alpha in {10, 1} whose mean top-1 >= 0.8;
+    the two-sided readings ``mean_auc_abs`` (AUC by ``|z|``), ``cells_separated`` and
+    ``cells_persistent`` (cells with alpha in {10, 1} meeting issue 20's separation and
+    persistence targets, :func:`cell_means`), when the cells carry them."""
     rows = []
     keys = sorted({(c["regime"], c["score"]) for c in cells},
                   key=lambda k: (list(REGIMES).index(k[0]), SCORES.index(k[1])))
+    two_sided = all("auc_abs_z" in c and "persistent_first_round" in c for c in cells)
+    means = {(m["regime"], m["score"], m["alpha"], m["perturbation"]): m
+             for m in cell_means(cells)} if two_sided else {}
     for regime, score in keys:
         row: dict[str, Any] = {"regime": regime, "score": score}
-        at_target = 0
-        aucs = []
+        at_target = separated = persistent = 0
+        aucs, aucs_abs = [], []
         for a in alphas:
             for p in perturbations:
                 sel = [c for c in cells if (c["regime"], c["score"], c["alpha"],
@@ -308,8 +421,17 @@ def summarise(cells: list[dict[str, Any]], alphas: Sequence[float],
                 row[f"a{a:g} {p}"] = top
                 if a in TARGET_ALPHAS and top >= TARGET_TOP1:
                     at_target += 1
+                m = means.get((regime, score, a, p))
+                if m is not None:
+                    aucs_abs += [c["auc_abs_z"] for c in sel]
+                    separated += a in TARGET_ALPHAS and m["separated"]
+                    persistent += a in TARGET_ALPHAS and m["persistent"]
         row["mean_auc"] = float(np.nanmean(aucs)) if aucs else math.nan
         row["cells_at_target"] = at_target
+        if two_sided:
+            row["mean_auc_abs"] = float(np.nanmean(aucs_abs)) if aucs_abs else math.nan
+            row["cells_separated"] = separated
+            row["cells_persistent"] = persistent
         rows.append(row)
     return rows
 
@@ -347,6 +469,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="worker processes (default 2)")
     parser.add_argument("--experiment", default="atypical-client-sweep",
                         help="MLflow experiment name (default atypical-client-sweep)")
+    parser.add_argument("--resume", action="store_true",
+                        help="reuse the federations already in --out/cells (each written as "
+                        "it finishes, with its columns; a file with other columns is rerun)")
 
 
 def _check(args: argparse.Namespace) -> str | None:
@@ -379,6 +504,37 @@ def _jobs(args: argparse.Namespace) -> list[tuple[str, float, str, int, int, int
             for p in args.perturbations for s in args.seeds]
 
 
+def cell_path(out: Path, job: tuple[str, float, str, int, int, int]) -> Path:
+    """The file of one finished federation under ``out/cells``."""
+    regime, alpha, pert, seed, rounds, clients = job
+    return out / "cells" / f"{regime}_a{alpha:g}_{pert}_s{seed}_R{rounds}_n{clients}.json"
+
+
+def _load_cell(path: Path) -> list[dict[str, Any]] | None:
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if doc.get("columns") != CELL_COLUMNS:
+        return None
+    return doc["rows"]
+
+
+def _save_cell(path: Path, rows: list[dict[str, Any]], seconds: float) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"columns": CELL_COLUMNS, "seconds": seconds, "rows": rows}))
+    tmp.replace(path)  # a reader never sees half a file
+
+
+def _timed_cell(*job: Any) -> tuple[list[dict[str, Any]], float]:
+    import time
+
+    t0 = time.perf_counter()
+    rows = run_cell(*job)
+    return rows, time.perf_counter() - t0
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the sweep; print the summary table. Returns 0, or 2 on bad arguments."""
     import sys
@@ -396,11 +552,36 @@ def run(args: argparse.Namespace) -> int:
 
     @task(name="run-sweep-cells")
     def run_cells() -> list[dict[str, Any]]:
+        import time
+
+        done: dict[int, list[dict[str, Any]]] = {}
+        if args.resume:
+            for i, job in enumerate(jobs):
+                rows = _load_cell(cell_path(args.out, job))
+                if rows is not None:
+                    done[i] = rows
+        todo = [i for i in range(len(jobs)) if i not in done]
+        print(f"clma: {len(jobs)} federations, {len(done)} reused from "
+              f"{args.out / 'cells'}", file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+
+        def finished(i: int, rows: list[dict[str, Any]], seconds: float) -> None:
+            done[i] = rows
+            _save_cell(cell_path(args.out, jobs[i]), rows, seconds)
+            n = len(done)
+            print(f"clma: [{n}/{len(jobs)}] {' '.join(map(str, jobs[i][:4]))}: "
+                  f"{seconds:.0f} s (elapsed {time.perf_counter() - t0:.0f} s)",
+                  file=sys.stderr, flush=True)
+
         if args.workers == 1:
-            return [row for job in jobs for row in run_cell(*job)]
-        with ProcessPoolExecutor(max_workers=args.workers) as pool:
-            return [row for rows in pool.map(run_cell, *zip(*jobs, strict=True))
-                    for row in rows]
+            for i in todo:
+                finished(i, *_timed_cell(*jobs[i]))
+        else:
+            with ProcessPoolExecutor(max_workers=args.workers) as pool:
+                futures = {pool.submit(_timed_cell, *jobs[i]): i for i in todo}
+                for fut in as_completed(futures):
+                    finished(futures[fut], *fut.result())
+        return [row for i in range(len(jobs)) for row in done[i]]
 
     @flow(name="atypical-client-sweep")
     def sweep() -> tuple[list[dict[str, Any]], str]:
@@ -419,6 +600,8 @@ def run(args: argparse.Namespace) -> int:
             summary = summarise(cells, args.alphas, args.perturbations)
             args.out.mkdir(parents=True, exist_ok=True)
             (args.out / "atypical_client_sweep.md").write_text(to_markdown(summary))
+            means = cell_means(cells)
+            (args.out / "atypical_client_sweep_cell_means.md").write_text(to_markdown(means))
             with (args.out / "atypical_client_sweep_cells.csv").open("w", newline="") as fh:
                 w = csv.DictWriter(fh, fieldnames=CELL_COLUMNS)
                 w.writeheader()
@@ -429,9 +612,11 @@ def run(args: argparse.Namespace) -> int:
                 "magnitudes": MAGNITUDE, "regimes": {k: asdict(REGIMES[k]) for k in args.regimes},
                 "summary": [{k: (None if isinstance(v, float) and not math.isfinite(v) else v)
                              for k, v in row.items()} for row in summary],
+                "cell_means": [{k: (None if isinstance(v, float) and not math.isfinite(v)
+                                    else v) for k, v in row.items()} for row in means],
             }, indent=2) + "\n")
-            for name in ("atypical_client_sweep.md", "atypical_client_sweep_cells.csv",
-                         "atypical_client_sweep.json"):
+            for name in ("atypical_client_sweep.md", "atypical_client_sweep_cell_means.md",
+                         "atypical_client_sweep_cells.csv", "atypical_client_sweep.json"):
                 tracker.log_artifact(str(args.out / name))
             status = "FINISHED"
         finally:
