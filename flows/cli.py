@@ -442,11 +442,14 @@ def main(argv: list[str] | None = None) -> int:
 
         return cli_keygen(args)
     if args.command == "experiment":
-        if _prefect_home_refused():
-            return 2
+        _quiet_prefect_defaults()
         from flows import experiments
 
-        return int(experiments.load(args.experiment_name).run(args))
+        module = experiments.load(args.experiment_name)
+        # experiments that run Prefect flows need the local API; the others never start it
+        if getattr(module, "USES_PREFECT", True) and _prefect_home_refused():
+            return 2
+        return int(module.run(args))
     raise AssertionError(f"unhandled command {args.command}")  # argparse prevents this
 
 

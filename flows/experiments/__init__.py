@@ -2,7 +2,9 @@
 
 Each experiment is a module ``flows/experiments/<name with '-' as '_'>.py`` exposing
 ``DESCRIPTION: str``, ``add_arguments(parser: argparse.ArgumentParser) -> None`` and
-``run(args: argparse.Namespace) -> int`` (the exit code). They are discovered by
+``run(args: argparse.Namespace) -> int`` (the exit code). An experiment that never runs a Prefect flow sets
+``USES_PREFECT = False`` (default True: ``clma experiment`` then first checks the local
+Prefect database, :mod:`flows.prefect_home`). They are discovered by
 module name, so adding an experiment touches no shared file.
 """
 

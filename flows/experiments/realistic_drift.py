@@ -83,6 +83,8 @@ __all__ = [
 DESCRIPTION = ("CLMA (today / improved), CFL, IFCA and FedAvg on label-skewed and covariate "
                "drift scenarios (ARI per drift event, accuracies, detection rates)")
 EXPERIMENT_NAME = "realistic-drift"
+#: Runs the bare round engine only: no Prefect flow, so no local Prefect API is needed.
+USES_PREFECT = False
 DEFAULT_SEEDS = (0, 1, 2, 3, 4)
 METHODS = ("clma", "clma_improved", "cfl", "ifca", "fedavg")
 METHOD_LABELS = {"clma": "CLMA (today)", "clma_improved": "CLMA (improved)", "cfl": "CFL",

@@ -110,3 +110,20 @@ def test_clma_run_refuses_at_once_and_writes_nothing(tmp_path):
     assert "schema revision ffffffffffff" in r.stderr and "Timed out" not in r.stderr
     assert not out.exists()  # refused before the output folder is made
     assert (home / "prefect.db").read_bytes() == before  # read-only: nothing migrated
+
+
+@pytest.mark.parametrize("argv, rc", [
+    # runs Prefect flows: refused at once
+    (["experiment", "atypical-client", "--seeds", "0", "--rounds", "2"], 2),
+    # the bare engine only (USES_PREFECT = False): never starts the local API, not refused
+    (["experiment", "realistic-drift", "--tabulate", "--no-tracking", "--seeds", "0",
+      "--scenarios", "label2-iid", "--methods", "fedavg"], 0),
+])
+def test_experiments_are_refused_only_when_they_use_prefect(tmp_path, argv, rc):
+    home = tmp_path / "home"
+    _db(home / "prefect.db", UNKNOWN)
+    r = subprocess.run([sys.executable, "-m", "flows.cli", *argv, "--out", str(tmp_path / "o")],
+                       env=_env(home), capture_output=True, text=True, timeout=300,
+                       cwd=tmp_path)
+    assert r.returncode == rc, r.stderr[-2000:]
+    assert ("schema revision ffffffffffff" in r.stderr) is (rc == 2)
