@@ -36,45 +36,31 @@ for r in summary:
           f"| {r['cells_persistent']} | {f2(r['mean_auc'])} / {f2(r['mean_auc_abs'])} "
           f"| {early:.2f} / {late:.2f} |")
 
-print("\n#### B. Separation per cell: shifted client's mean abs z / AUC by abs z "
-      "(bold: both targets met)\n")
-print("| regime | score | " + " | ".join(f"a{a:g} {SHORT[p]}" for a, p in CELLS) + " |")
-print("|---|---|" + "---|" * len(CELLS))
-for r in summary:
-    cells = []
-    for a, p in CELLS:
-        m = idx.get((r["regime"], r["score"], a, p))
-        if m is None:
-            cells.append("")
-            continue
-        s = f"{m['mean_abs_z_shifted']:.2f} / {m['auc_abs_z']:.2f}"
-        cells.append(f"**{s}**" if m["separated"] else s)
-    print(f"| {r['regime']} | {r['score']} | " + " | ".join(cells) + " |")
+def per_cell_table(title, cell):
+    """One row per (regime, score), one column per cell; ``cell(m)`` formats a cell mean."""
+    print(f"\n#### {title}\n")
+    print("| regime | score | " + " | ".join(f"a{a:g} {SHORT[p]}" for a, p in CELLS) + " |")
+    print("|---|---|" + "---|" * len(CELLS))
+    for r in summary:
+        cells = [idx.get((r["regime"], r["score"], a, p)) for a, p in CELLS]
+        print(f"| {r['regime']} | {r['score']} | "
+              + " | ".join("" if m is None else cell(m) for m in cells) + " |")
 
-print("\n#### C. Signed vs two-sided per cell: top-1 by z / by abs z, mean z\n")
-print("| regime | score | " + " | ".join(f"a{a:g} {SHORT[p]}" for a, p in CELLS) + " |")
-print("|---|---|" + "---|" * len(CELLS))
-for r in summary:
-    cells = []
-    for a, p in CELLS:
-        m = idx.get((r["regime"], r["score"], a, p))
-        cells.append("" if m is None else
-                     f"{m['top1_fraction']:.2f} / {m['top1_abs_z_fraction']:.2f}, "
-                     f"{m['mean_z_shifted']:.2f}")
-    print(f"| {r['regime']} | {r['score']} | " + " | ".join(cells) + " |")
 
-print("\n#### D. Persistence per cell: seeds flagged by round 10 (of 3) / most regular "
-      "clients flagged in one federation; mean first round (flagged seeds)\n")
-print("| regime | score | " + " | ".join(f"a{a:g} {SHORT[p]}" for a, p in CELLS) + " |")
-print("|---|---|" + "---|" * len(CELLS))
-for r in summary:
-    cells = []
-    for a, p in CELLS:
-        m = idx.get((r["regime"], r["score"], a, p))
-        if m is None:
-            cells.append("")
-            continue
-        first = "-" if m["persistent_first_round"] is None else f"{m['persistent_first_round']:.1f}"
-        s = f"{m['seeds_persistent_by_10']}/{m['max_regular_persistent']}; {first}"
-        cells.append(f"**{s}**" if m["persistent"] else s)
-    print(f"| {r['regime']} | {r['score']} | " + " | ".join(cells) + " |")
+def bold_if(flag, text):
+    return f"**{text}**" if flag else text
+
+
+per_cell_table("B. Separation per cell: shifted client's mean abs z / AUC by abs z "
+               "(bold: both targets met)",
+               lambda m: bold_if(m["separated"],
+                                 f"{m['mean_abs_z_shifted']:.2f} / {m['auc_abs_z']:.2f}"))
+per_cell_table("C. Signed vs two-sided per cell: top-1 by z / by abs z, mean z",
+               lambda m: f"{m['top1_fraction']:.2f} / {m['top1_abs_z_fraction']:.2f}, "
+                         f"{m['mean_z_shifted']:.2f}")
+per_cell_table("D. Persistence per cell: seeds flagged by round 10 (of 3) / most regular "
+               "clients flagged in one federation; mean first round (flagged seeds)",
+               lambda m: bold_if(m["persistent"],
+                                 f"{m['seeds_persistent_by_10']}/{m['max_regular_persistent']}; "
+                                 + ("-" if m["persistent_first_round"] is None
+                                    else f"{m['persistent_first_round']:.1f}")))
