@@ -41,7 +41,15 @@ __all__ = ["CusumDetector", "CusumParams", "cusum_arl"]
 MAD_TO_SD = 1.4826
 
 
-class CusumParams(BaseModel):
+class DetectorParams(BaseModel):
+    """Base of every detector's declared parameters: strict, frozen, no unknown field, no
+    NaN or infinity (a bad value is refused naming its field)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False,
+                              validate_default=True)
+
+
+class CusumParams(DetectorParams):
     """Declared parameters of :class:`CusumDetector` (also ``drift.cusum`` in the config).
 
     ``k`` reference value (in scales, >= 0), ``h`` decision interval (in scales, > 0),
@@ -50,8 +58,6 @@ class CusumParams(BaseModel):
     ``min_scale`` floor of the scale in nats (> 0).
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False,
-                              validate_default=True)
 
     k: Annotated[float, Field(ge=0.0, le=10.0)] = Field(
         default=0.5, description="Reference value k: drift smaller than k scales per round "

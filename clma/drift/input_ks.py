@@ -47,10 +47,10 @@ from collections.abc import Sequence
 from typing import Annotated, Any, ClassVar
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 from scipy import stats
 
-from clma.drift.cusum import _params
+from clma.drift.cusum import DetectorParams, _params
 from clma.drift.detectors import DriftDetector, check_loss
 
 __all__ = ["InputKSDetector", "InputKSParams", "as_feature_rows", "feature_ks_pvalues",
@@ -60,7 +60,7 @@ __all__ = ["InputKSDetector", "InputKSParams", "as_feature_rows", "feature_ks_pv
 SUBSAMPLE_STREAM = 5171
 
 
-class InputKSParams(BaseModel):
+class InputKSParams(DetectorParams):
     """Declared parameters of :class:`InputKSDetector` (also ``drift.input_ks``).
 
     ``alpha`` family-wise false-flag rate per round under no drift, in (0, 1);
@@ -69,8 +69,6 @@ class InputKSParams(BaseModel):
     statistics of :func:`row_summaries`.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False,
-                              validate_default=True)
 
     alpha: Annotated[float, Field(gt=0.0, lt=1.0)] = Field(
         default=0.01, description="Family-wise false-flag rate per round under no drift "

@@ -22,20 +22,15 @@ from __future__ import annotations
 import importlib
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
-from clma.drift.cusum import _params
+from clma.drift.cusum import DetectorParams, _params
 from clma.drift.detectors import DriftDetector, check_loss
 
 __all__ = ["ADWINDetector", "ADWINParams", "PageHinkleyDetector", "PageHinkleyParams"]
 
 
-class _Params(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False,
-                              validate_default=True)
-
-
-class PageHinkleyParams(_Params):
+class PageHinkleyParams(DetectorParams):
     """Parameters of ``river.drift.PageHinkley`` (also ``drift.page_hinkley``).
 
     Defaults differ from river's (30 instances, threshold 50, mode both), which suit long
@@ -57,7 +52,7 @@ class PageHinkleyParams(_Params):
         default="up", description="Which changes of the mean flag: 'up' (a loss rise).")
 
 
-class ADWINParams(_Params):
+class ADWINParams(DetectorParams):
     """Parameters of ``river.drift.ADWIN`` (also ``drift.adwin``), plus ``direction``.
 
     ``clock`` defaults to 1 (river: 32): with one loss per round every round is checked.
@@ -91,7 +86,7 @@ class _RiverDetector(DriftDetector):
     """Shared parts: params, the replayed series, counters, state round trip."""
 
     kind: str
-    params_model: type[_Params]
+    params_model: type[DetectorParams]
 
     def __init__(self, **params: Any) -> None:
         self.params = _params(self.params_model, params, "")
