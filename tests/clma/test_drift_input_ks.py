@@ -430,7 +430,6 @@ def test_the_device_error_names_drift_detector_and_leaves_the_history():
 
 
 def test_the_torch_learner_gives_the_simulations_training_inputs():
-    pytest.importorskip("torch")
     from clma.flower.learner import digits_learner
     from clma.sim.clients import SimLearner
 
