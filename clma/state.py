@@ -9,7 +9,8 @@ A state directory holds one federation::
         registry.json               cohort registry with lineage (CohortRegistry.to_dict)
         models.npz                  each active cohort's current model (float32 vectors)
         evaluation.json             evaluation state: alert baselines, clip bounds, merges
-        federation.json             round counter, config resume-fingerprint
+        federation.json             round counter, config resume-fingerprint and its
+                                    scheme (resume_fingerprint; CONFIG_ADDITIONS)
         <name>.json                 documents of the orchestration layer (MLflow run ids,
                                     dashboards, per-round records)
       progress.json                 last round started (operators, tests)
@@ -52,7 +53,11 @@ from clma.config import FederationConfig
 from clma.engine.state import ServerState, restore_files, snapshot_files
 
 __all__ = [
+    "CONFIG_ADDITIONS",
+    "FINGERPRINT_SCHEME",
     "STATE_SCHEMA",
+    "accepted_fingerprints",
+    "config_differences",
     "CommittedState",
     "StateCorrupt",
     "StateError",
@@ -89,16 +94,110 @@ def default_state_dir(config: FederationConfig, cwd: str | Path | None = None) -
     return Path(cwd or Path.cwd()) / "state" / config.name
 
 
-def resume_fingerprint(config: FederationConfig) -> str:
-    """SHA-256 of the config without the fields a resumed run may change
-    (:data:`RESUMABLE_FIELDS`: rounds, schedule, state, tracking, orchestration; and
-    ``budget.state_dir``, which follows the state directory)."""
+#: Config fields added after a federation state could first be committed, oldest first, each
+#: with the value that reproduces how a federation ran before the field existed (a literal,
+#: not the field's default: if a default later changes, the two differ and a stored federation
+#: from before the field is refused rather than resumed under the new default). A state folder
+#: written before a field existed has no value for it; it may be resumed iff the resuming
+#: config keeps the field at this value. Every field added to the schema is registered here
+#: (tests/clma/test_state.py checks the schema against the fields of the first release).
+CONFIG_ADDITIONS: tuple[tuple[str, Any], ...] = (
+    ("drift.input_ks", {"alpha": 0.01, "reference_size": 256, "summaries": True,
+                        "with_loss_threshold": True}),
+)
+#: The fingerprint scheme written into federation.json. Scheme 2 leaves out every registered
+#: addition that keeps its legacy value; folders without a scheme (written before it) hashed
+#: the whole dump of the version that wrote them.
+FINGERPRINT_SCHEME = 2
+
+
+def _resume_dump(config: FederationConfig) -> dict[str, Any]:
     data = config.model_dump(mode="json")
     for k in RESUMABLE_FIELDS:
         data.pop(k, None)
     data.get("budget", {}).pop("state_dir", None)  # the ledger lives in the state dir
+    return data
+
+
+def _hash(data: Mapping[str, Any]) -> str:
     blob = json.dumps(data, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _without(data: dict[str, Any], additions: tuple[tuple[str, Any], ...]) -> dict[str, Any]:
+    """``data`` without each of ``additions`` whose value equals its legacy value."""
+    out = json.loads(json.dumps(data))
+    for path, legacy in additions:
+        *parents, leaf = path.split(".")
+        node = out
+        for p in parents:
+            node = node.get(p, {}) if isinstance(node, dict) else {}
+        if isinstance(node, dict) and leaf in node and node[leaf] == legacy:
+            del node[leaf]
+    return out
+
+
+def resume_fingerprint(config: FederationConfig) -> str:
+    """SHA-256 (hex) of the config a federation is resumed under.
+
+    Leaves out the fields a resumed run may change (:data:`RESUMABLE_FIELDS`: rounds,
+    schedule, state, tracking, orchestration, federation; and ``budget.state_dir``, which
+    follows the state directory) and every field added since the first release
+    (:data:`CONFIG_ADDITIONS`) that keeps the value reproducing the behaviour before it, so
+    a federation committed by an earlier version resumes under this one when the user
+    changed nothing, and is refused when a field it never had is set otherwise."""
+    return _hash(_without(_resume_dump(config), CONFIG_ADDITIONS))
+
+
+def accepted_fingerprints(config: FederationConfig, scheme: int | None) -> set[str]:
+    """The stored fingerprints ``config`` may resume: its :func:`resume_fingerprint` for a
+    folder written with scheme 2; for an older folder (no scheme), the whole-dump hash as
+    each earlier version wrote it (the first ``i`` additions present, the rest absent)."""
+    if scheme == FINGERPRINT_SCHEME:
+        return {resume_fingerprint(config)}
+    if scheme is not None:
+        raise StateError(f"federation.json: fingerprint scheme {scheme!r} is not known to "
+                         f"this version (it knows {FINGERPRINT_SCHEME}); upgrade clma")
+    data = _resume_dump(config)
+    return {_hash(_without(data, CONFIG_ADDITIONS[i:]))
+            for i in range(len(CONFIG_ADDITIONS) + 1)}
+
+
+def _differing_fields(a: Any, b: Any, prefix: str = "") -> list[str]:
+    """Dotted names where two config dumps differ (names only: never values)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        out: list[str] = []
+        for k in sorted(set(a) | set(b)):
+            out += _differing_fields(a.get(k), b.get(k), f"{prefix}.{k}" if prefix else k)
+        return out
+    return [] if a == b else [prefix]
+
+
+def config_differences(config: FederationConfig, stored: Mapping[str, Any]) -> list[str]:
+    """Dotted names of the fields where ``config`` differs from ``stored`` (a config dump,
+    e.g. a state folder's config.json) in what :func:`resume_fingerprint` covers; names
+    only, never values. A field of :data:`CONFIG_ADDITIONS` missing from ``stored`` counts
+    as its legacy value."""
+    other = json.loads(json.dumps(dict(stored)))
+    for k in RESUMABLE_FIELDS:
+        other.pop(k, None)
+    if isinstance(other.get("budget"), dict):
+        other["budget"].pop("state_dir", None)
+    for path, legacy in CONFIG_ADDITIONS:
+        *parents, leaf = path.split(".")
+        node = other
+        for p in parents:
+            node = node.setdefault(p, {}) if isinstance(node, dict) else {}
+        if isinstance(node, dict):
+            node.setdefault(leaf, json.loads(json.dumps(legacy)))
+    return _differing_fields(_resume_dump(config), other)
+
+
+def _at(names: list[str]) -> str:
+    if not names:
+        return ""
+    return " at " + ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8
+                                            else "")
 
 
 def _sha(b: bytes) -> str:
@@ -313,6 +412,7 @@ def snapshot_server(state: ServerState, config: FederationConfig, round_number: 
         "name": config.name,
         "seed": config.seed,
         "resume_fingerprint": resume_fingerprint(config),
+        "fingerprint_scheme": FINGERPRINT_SCHEME,
     })
     return files
 
@@ -326,10 +426,15 @@ def restore_server(snapshot: CommittedState, config: FederationConfig) -> Server
         StateCorrupt: the models do not match the registry.
     """
     info = snapshot.json("federation.json")
-    if info.get("resume_fingerprint") != resume_fingerprint(config):
+    if info.get("resume_fingerprint") not in accepted_fingerprints(
+            config, info.get("fingerprint_scheme")):
+        where = ""
+        if "config.json" in snapshot.files:
+            stored = snapshot.json("config.json")
+            where = _at(config_differences(config, stored if isinstance(stored, dict) else {}))
         raise StateError(
-            "config: differs from the federation stored in the state directory (only "
-            + ", ".join(RESUMABLE_FIELDS) + " may change when resuming)")
+            "config: differs from the federation stored in the state directory" + where
+            + " (only " + ", ".join(RESUMABLE_FIELDS) + " may change when resuming)")
     try:
         return restore_files(snapshot.files, int(info["round"]))
     except ValueError as exc:

@@ -14,10 +14,13 @@ from clma.engine import FederationEngine, ServerState
 from clma.sim.clients import SimulatedClients
 from clma.sim.federation import build_federation
 from clma.state import (
+    CONFIG_ADDITIONS,
+    FINGERPRINT_SCHEME,
     StateCorrupt,
     StateError,
     StateLocked,
     StateStore,
+    accepted_fingerprints,
     restore_server,
     resume_fingerprint,
     snapshot_server,
@@ -203,3 +206,109 @@ def test_restore_refuses_another_configuration(tmp_path):
     moved = cfg.model_copy(update={"federation": cfg.federation.model_copy(
         update={"device_state_dir": str(tmp_path / "elsewhere")})})
     assert resume_fingerprint(moved) == resume_fingerprint(cfg)
+
+
+# ------------------------------------------------------- resuming a folder of an earlier version
+
+DEFAULT = Path(__file__).parents[2] / "clma" / "configs" / "default.toml"
+#: resume_fingerprint of the default config as clma 0.1.0 wrote it into federation.json at
+#: commit 6015c7a (before drift.input_ks existed) and at 42e4594 (with it, whole-dump hash,
+#: no fingerprint scheme); computed by those versions' own code.
+FP_6015C7A = "7ef4bc85045d54f21017427fe0ed56ec0638fbdc3b745893c29d22b3e2a1a978"
+FP_42E4594 = "42593013c41e43a920bd54825726860d8c0c1d6150f8d6f00e90ef9c511a2ff0"
+
+
+def _with_input_ks_alpha(cfg, alpha):
+    drift = cfg.drift.model_copy(update={"input_ks": cfg.drift.input_ks.model_copy(
+        update={"alpha": alpha})})
+    return cfg.model_copy(update={"drift": drift})
+
+
+def _legacy_snapshot(tmp_path, cfg, fingerprint, scheme=None, config_json=None):
+    files = snapshot_server(_engine(cfg).state, cfg, 1)
+    info = {"round": 1, "name": cfg.name, "seed": cfg.seed, "resume_fingerprint": fingerprint}
+    if scheme is not None:
+        info["fingerprint_scheme"] = scheme
+    files["federation.json"] = (json.dumps(info) + "\n").encode()
+    if config_json is not None:
+        files["config.json"] = (json.dumps(config_json) + "\n").encode()
+    store = StateStore(tmp_path / f"s{abs(hash(fingerprint)) % 10**6}-{scheme}")
+    store.commit(1, files)
+    return store.load()
+
+
+def test_resume_fingerprint_of_the_default_config_is_the_one_the_first_release_wrote():
+    cfg = load_config(DEFAULT)
+    # drift.input_ks keeps its legacy value, so it is left out: the hash of 6015c7a
+    assert resume_fingerprint(cfg) == FP_6015C7A
+    assert accepted_fingerprints(cfg, None) == {FP_6015C7A, FP_42E4594}
+    assert accepted_fingerprints(cfg, FINGERPRINT_SCHEME) == {FP_6015C7A}
+    changed = _with_input_ks_alpha(cfg, 0.05)
+    assert resume_fingerprint(changed) != FP_6015C7A
+    assert FP_6015C7A not in accepted_fingerprints(changed, None)
+    assert FP_42E4594 not in accepted_fingerprints(changed, None)
+
+
+@pytest.mark.parametrize("fingerprint", [FP_6015C7A, FP_42E4594])
+def test_a_folder_of_an_earlier_version_resumes_when_nothing_changed(tmp_path, fingerprint):
+    cfg = load_config(DEFAULT)
+    snap = _legacy_snapshot(tmp_path, cfg, fingerprint)
+    assert restore_server(snap, cfg).rounds_done == 1
+    assert restore_server(snap, cfg.with_overrides(rounds=cfg.rounds + 5)).rounds_done == 1
+
+
+def test_a_folder_of_an_earlier_version_refuses_a_field_it_never_had_set_otherwise(tmp_path):
+    cfg = load_config(DEFAULT)
+    old_dump = json.loads(Path(__file__).parents[1].joinpath(
+        "fixtures", "config_fields_6015c7a.json").read_text())  # names only
+    assert "drift.input_ks.alpha" not in old_dump["fields"]
+    stored = cfg.model_dump(mode="json")
+    del stored["drift"]["input_ks"]  # as 6015c7a wrote config.json
+    snap = _legacy_snapshot(tmp_path, cfg, FP_6015C7A, config_json=stored)
+    changed = _with_input_ks_alpha(cfg, 0.05)
+    with pytest.raises(StateError) as err:
+        restore_server(snap, changed)
+    # names the field, never its value
+    assert "at drift.input_ks.alpha (only rounds," in str(err.value)
+    assert "0.05" not in str(err.value) and "0.01" not in str(err.value)
+    with pytest.raises(StateError, match=r"differs from the federation stored in the state "
+                                         r"directory at seed \(only"):
+        restore_server(snap, cfg.with_overrides(seed=cfg.seed + 1))
+
+
+def test_a_new_folder_carries_the_scheme_and_an_unknown_scheme_is_refused(tmp_path):
+    cfg = load_config(SMALL)
+    files = snapshot_server(_engine(cfg).state, cfg, 1)
+    info = json.loads(files["federation.json"])
+    assert info["fingerprint_scheme"] == FINGERPRINT_SCHEME == 2
+    assert info["resume_fingerprint"] == resume_fingerprint(cfg)
+    snap = _legacy_snapshot(tmp_path, cfg, resume_fingerprint(cfg), scheme=3)
+    with pytest.raises(StateError, match="fingerprint scheme 3 is not known to this version"):
+        restore_server(snap, cfg)
+
+
+def test_every_field_added_since_the_first_release_is_registered_with_its_legacy_value():
+    """A field added to the schema must be in CONFIG_ADDITIONS (else every earlier state
+    folder refuses to resume), and its legacy value is its default today (else a config
+    at the default would not resume a folder from before the field: decide and update)."""
+    first = set(json.loads(Path(__file__).parents[1].joinpath(
+        "fixtures", "config_fields_6015c7a.json").read_text())["fields"])
+    cfg = load_config(DEFAULT)
+
+    def leaves(o, p=""):
+        if isinstance(o, dict):
+            return [x for k, v in o.items() for x in leaves(v, f"{p}.{k}" if p else k)]
+        return [p]
+
+    added = {f for f in leaves(cfg.model_dump(mode="json")) if f not in first}
+    registered = [path for path, _ in CONFIG_ADDITIONS]
+    unregistered = {f for f in added
+                    if not any(f == r or f.startswith(r + ".") for r in registered)}
+    assert unregistered == set()
+    assert registered == ["drift.input_ks"]
+    dump = cfg.model_dump(mode="json")
+    for path, legacy in CONFIG_ADDITIONS:
+        node = dump
+        for part in path.split("."):
+            node = node[part]
+        assert node == legacy, path
