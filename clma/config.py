@@ -300,6 +300,15 @@ class CohortConfig(_Strict):
         "its own previous stable updates, which cancels a label-skewed client's stable "
         "component (clma.cohort.features; a documented departure).",
     )
+    leading_split_alpha: Annotated[float, Field(gt=0.0, lt=1.0)] | None = Field(
+        default=None,
+        description="With components='broken_stick': a group with no component above the "
+        "broken stick is split in two along its leading principal component when the "
+        "exact 1-D 2-means test (clma.cohort.split, after SigClust) has p <= this level; "
+        "None = off. Separates covariate-drift families (a documented departure).",
+    )
+    leading_split_min_size: PositiveInt = Field(
+        default=5, description="Smallest group of a leading-component split (clients).")
 
 
 class EvaluationConfig(_Strict):

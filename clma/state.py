@@ -104,11 +104,16 @@ def default_state_dir(config: FederationConfig, cwd: str | Path | None = None) -
 CONFIG_ADDITIONS: tuple[tuple[str, Any], ...] = (
     ("drift.input_ks", {"alpha": 0.01, "reference_size": 256, "summaries": True,
                         "with_loss_threshold": True}),
+    ("cohort.leading_split_alpha", None),
+    ("cohort.leading_split_min_size", 5),
 )
 #: The fingerprint scheme written into federation.json. Scheme 2 leaves out every registered
 #: addition that keeps its legacy value; folders without a scheme (written before it) hashed
 #: the whole dump of the version that wrote them.
 FINGERPRINT_SCHEME = 2
+#: How many of CONFIG_ADDITIONS existed before the scheme (folders without one knew at most
+#: these: drift.input_ks at 42e4594).
+_UNVERSIONED_ADDITIONS = 1
 
 
 def _resume_dump(config: FederationConfig) -> dict[str, Any]:
@@ -160,7 +165,7 @@ def accepted_fingerprints(config: FederationConfig, scheme: int | None) -> set[s
                          f"this version (it knows {FINGERPRINT_SCHEME}); upgrade clma")
     data = _resume_dump(config)
     return {_hash(_without(data, CONFIG_ADDITIONS[i:]))
-            for i in range(len(CONFIG_ADDITIONS) + 1)}
+            for i in range(_UNVERSIONED_ADDITIONS + 1)}
 
 
 def _differing_fields(a: Any, b: Any, prefix: str = "") -> list[str]:

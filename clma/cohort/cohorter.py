@@ -85,6 +85,7 @@ from clma.cohort.projection import (
     gram_pca_details,
     gram_pca_from_gram,
 )
+from clma.cohort.split import leading_split_test
 from clma.params.errors import NonFiniteParameterError, ParameterAlignmentError
 
 __all__ = [
@@ -250,6 +251,10 @@ def _below_floor(disp: np.ndarray, rows: list[int], ref_sq: float, floor: float)
     return spread_sq <= (floor * floor) * scale_sq
 
 
+#: A variance threshold that keeps exactly the leading component (gram_pca_from_gram).
+_ONE_COMPONENT = 1e-12
+
+
 class CLMACohorter(Cohorter):
     """CLMA Algorithm 3: signed KS direction groups, Gram-trick PCA, clustering.
 
@@ -275,8 +280,19 @@ class CLMACohorter(Cohorter):
         the published rule): the fewest reaching ``variance_threshold``. "broken_stick": the
         leading components whose share of variance exceeds the broken-stick expectation
         (:func:`clma.cohort.projection.broken_stick_components`); a group with none is one
-        cohort (reason "no component above the broken stick"). A documented departure
-        (module docs, "Label-skewed clients").
+        cohort (reason "no component above the broken stick"), unless
+        ``leading_split_alpha`` splits it. A documented departure (module docs,
+        "Label-skewed clients").
+    leading_split_alpha:
+        ``None`` (default: off). With ``components="broken_stick"``, a group with no
+        component above the broken stick is split in two along its leading principal
+        component when :func:`clma.cohort.split.leading_split_test` (exact 1-D 2-means
+        cluster index against its null under isotropic noise, after SigClust) gives a
+        p-value at most this level, in (0, 1); reason "leading component split". Why: a
+        covariate-drift family split lives in one component whose variance share stays
+        below the broken stick (:mod:`clma.cohort.split`; docs/realistic_drift.md sec. 6).
+    leading_split_min_size:
+        Smallest group of such a split (default 5), an integer >= 1.
     direction_rule:
         "sign": trust the KS sign always (published). "established": trust it only when
         ``|D+ - D-| > ks_critical_value(direction_alpha, n_params, n_params)``, otherwise the
@@ -325,7 +341,9 @@ class CLMACohorter(Cohorter):
                  block_bytes: int = DEFAULT_BLOCK_BYTES,
                  reconcile_similarity: float | None | Literal["auto"] = "auto",
                  spread_floor: float | None | Literal["auto"] = "auto",
-                 components: Literal["variance", "broken_stick"] = "variance") -> None:
+                 components: Literal["variance", "broken_stick"] = "variance",
+                 leading_split_alpha: float | None = None,
+                 leading_split_min_size: int = 5) -> None:
         if not isinstance(clusterer, Clusterer):
             raise TypeError("clusterer: must be a clma.cohort.Clusterer")
         v = float(variance_threshold)
@@ -358,7 +376,14 @@ class CLMACohorter(Cohorter):
             spread_floor = sf
         if components not in ("variance", "broken_stick"):
             raise ValueError("components: must be 'variance' or 'broken_stick'")
+        if leading_split_alpha is not None and not (0.0 < float(leading_split_alpha) < 1.0):
+            raise ValueError("leading_split_alpha: must be None or lie in (0, 1)")
+        if int(leading_split_min_size) != leading_split_min_size or leading_split_min_size < 1:
+            raise ValueError("leading_split_min_size: must be an integer >= 1")
         self.components = components
+        self.leading_split_alpha = (None if leading_split_alpha is None
+                                    else float(leading_split_alpha))
+        self.leading_split_min_size = int(leading_split_min_size)
         self.spread_floor = spread_floor
         self.reconcile_similarity = reconcile_similarity
         self.clusterer = clusterer
@@ -397,7 +422,9 @@ class CLMACohorter(Cohorter):
                 f"min_ks_magnitude={self.min_ks_magnitude}, "
                 f"direction_rule={self.direction_rule!r}, direction_alpha={self.direction_alpha}, "
                 f"reconcile_similarity={self.reconcile_similarity!r}, "
-                f"spread_floor={self.spread_floor!r}, components={self.components!r})")
+                f"spread_floor={self.spread_floor!r}, components={self.components!r}, "
+                f"leading_split_alpha={self.leading_split_alpha!r}, "
+                f"leading_split_min_size={self.leading_split_min_size})")
 
     def ks_components(self, matrix: np.ndarray, reference: np.ndarray) -> list[KSComponents]:
         """One-sided KS distances of every row against the reference (sorted once)."""
@@ -531,21 +558,36 @@ class CLMACohorter(Cohorter):
                 diag_parts.append((direction, rows, 0, 0.0, 1, {},
                                    "spread below the floor (floating-point noise)"))
             else:
+                gram = None
                 if disp is not None and self.center:  # centered Gram from the one pass
-                    pca = gram_pca_from_gram(centered_subgram(disp, rows),
-                                             self.variance_threshold, self.components)
+                    gram = centered_subgram(disp, rows)
                 elif self.components == "broken_stick":
-                    pca = gram_pca_from_gram(
-                        gram_matrix(mat, np.asarray(rows), center=self.center,
-                                    block_bytes=self.block_bytes),
-                        self.variance_threshold, self.components)
+                    gram = gram_matrix(mat, np.asarray(rows), center=self.center,
+                                       block_bytes=self.block_bytes)
+                if gram is not None:
+                    pca = gram_pca_from_gram(gram, self.variance_threshold, self.components)
                 else:
                     pca = gram_pca_details(mat, self.variance_threshold, self.center,
                                            rows=np.asarray(rows), block_bytes=self.block_bytes)
-                if self.components == "broken_stick" and pca.n_components == 0:
+                split = None
+                if (self.components == "broken_stick" and pca.n_components == 0
+                        and self.leading_split_alpha is not None and gram is not None):
+                    lead = gram_pca_from_gram(gram, _ONE_COMPONENT, "variance")
+                    if lead.n_components:
+                        split = leading_split_test(lead.scores[:, 0], self.leading_split_alpha,
+                                                   self.leading_split_min_size)
+                if split is not None and split.significant:
+                    sub = split.labels
+                    diag_parts.append((direction, rows, 1, float(lead.explained_variance_ratio[0]),
+                                       2, {}, "leading component split (2-means cluster index "
+                                       f"{split.cluster_index:.3f}, p = {split.p_value:.4f})"))
+                elif self.components == "broken_stick" and pca.n_components == 0:
                     sub = np.zeros(len(rows), dtype=np.int64)
                     diag_parts.append((direction, rows, 0, 0.0, 1, {},
-                                       "no component above the broken stick"))
+                                       "no component above the broken stick"
+                                       + ("" if split is None else
+                                          f"; leading split not significant (p = "
+                                          f"{split.p_value:.4f})")))
                 else:
                     res = self.clusterer.fit_predict_details(pca.scores)
                     sub = res.labels

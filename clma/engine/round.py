@@ -90,6 +90,8 @@ def make_cohorter(config: FederationConfig) -> CLMACohorter:
         min_ks_magnitude=c.min_ks_magnitude,
         components=c.components,
         direction_rule=c.direction_rule,
+        leading_split_alpha=c.leading_split_alpha,
+        leading_split_min_size=c.leading_split_min_size,
     )
 
 

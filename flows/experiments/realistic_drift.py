@@ -23,7 +23,8 @@ IID or Dirichlet(alpha) for alpha 5, 1, 0.5:
 
 Methods (:data:`METHODS`): ``clma`` (today's defaults: ``cohort.components = "variance"``),
 ``clma_improved`` (``cohort.components = "broken_stick"``, ``cohort.direction_rule =
-"none"``: :mod:`clma.cohort.cohorter`, "Label-skewed clients"), ``cfl`` and ``ifca``
+"none"``: :mod:`clma.cohort.cohorter`, "Label-skewed clients"; and
+``cohort.leading_split_alpha = 0.01``: :mod:`clma.cohort.split`), ``cfl`` and ``ifca``
 (:mod:`flows.experiments.peers`), ``fedavg`` (``cohort.enabled = false``). On covariate
 scenarios the CLMA methods run once per on-device detector (``drift.detector``:
 :data:`DETECTORS`, the loss-based ``loss_threshold``, ``cusum``, ``page_hinkley``,
@@ -87,6 +88,8 @@ EXPERIMENT_NAME = "realistic-drift"
 USES_PREFECT = False
 DEFAULT_SEEDS = (0, 1, 2, 3, 4)
 METHODS = ("clma", "clma_improved", "cfl", "ifca", "fedavg")
+#: ``cohort.leading_split_alpha`` of ``clma_improved`` (not tuned: the conventional 1 %).
+IMPROVED_SPLIT_ALPHA = 0.01
 METHOD_LABELS = {"clma": "CLMA (today)", "clma_improved": "CLMA (improved)", "cfl": "CFL",
                  "ifca": "IFCA", "fedavg": "FedAvg"}
 DETECTORS = ("loss_threshold", "cusum", "page_hinkley", "adwin", "input_ks")
@@ -152,6 +155,7 @@ def method_config(config: FederationConfig, method: str, seed: int,
     if method == "clma_improved":
         data["cohort"]["components"] = "broken_stick"
         data["cohort"]["direction_rule"] = "none"
+        data["cohort"]["leading_split_alpha"] = IMPROVED_SPLIT_ALPHA
     elif method == "fedavg":
         data["cohort"]["enabled"] = False
     elif method not in ("clma", "cfl", "ifca"):

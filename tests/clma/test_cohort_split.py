@@ -1,0 +1,160 @@
+"""The leading-component split test (clma/cohort/split.py) and its use by CLMACohorter."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from clma.cohort import CLMACohorter
+from clma.cohort.split import cluster_index, leading_split_test, null_cluster_indices
+
+
+def _brute_ci(z, m):
+    """min over every subset A with m <= |A| <= n - m of the 2-means within SS / TSS."""
+    n = len(z)
+    tss = float(((z - z.mean()) ** 2).sum())
+    best = np.inf
+    for k in range(m, n - m + 1):
+        for a in itertools.combinations(range(n), k):
+            mask = np.zeros(n, bool)
+            mask[list(a)] = True
+            w = ((z[mask] - z[mask].mean()) ** 2).sum() + ((z[~mask] - z[~mask].mean()) ** 2).sum()
+            best = min(best, w)
+    return best / tss
+
+
+@pytest.mark.parametrize("m", [1, 2, 3])
+def test_cluster_index_equals_the_minimum_over_every_split(m):
+    rng = np.random.default_rng(7)
+    for _ in range(5):
+        z = rng.standard_normal(9) * rng.uniform(0.5, 3)
+        ci, labels = cluster_index(z, m)
+        assert ci == pytest.approx(_brute_ci(z, m), rel=1e-12, abs=1e-15)
+        # the labels realise it, and group 0 holds the smaller scores
+        w = sum(((z[labels == g] - z[labels == g].mean()) ** 2).sum() for g in (0, 1))
+        assert w / ((z - z.mean()) ** 2).sum() == pytest.approx(ci, rel=1e-12)
+        assert z[labels == 0].max() <= z[labels == 1].min()
+        assert min(np.bincount(labels)) >= m
+
+
+def test_cluster_index_literal_values():
+    ci, labels = cluster_index(np.array([0.0, 1.0, 0.0, 1.0, 0.0, 1.0]), 1)
+    assert ci == 0.0 and labels.tolist() == [0, 1, 0, 1, 0, 1]
+    # [0, 1, 2, 3]: best split {0,1} | {2,3}: within 0.5 + 0.5 = 1, total 5
+    assert cluster_index(np.arange(4.0), 1)[0] == pytest.approx(0.2)
+    # a lone outlier: with m = 1 it is split off alone, with m = 2 it may not be
+    z = np.array([0.0, 0.1, 0.2, 0.3, 10.0])
+    assert np.bincount(cluster_index(z, 1)[1]).tolist() == [4, 1]
+    assert min(np.bincount(cluster_index(z, 2)[1])) == 2
+    assert cluster_index(np.full(6, 3.0), 1)[0] == 1.0
+
+
+def _pc1_scores(x):
+    c = x - x.mean(axis=0)
+    u, s, _ = np.linalg.svd(c, full_matrices=False)
+    return u[:, 0] * s[0]
+
+
+def test_null_law_is_the_leading_component_law_under_isotropic_noise():
+    """Module docs: under d_i = mu + sigma e_i the leading component's CI has the law of a
+    centered normalised Gaussian vector's, whatever p, mu, sigma."""
+    rng = np.random.default_rng(11)
+    n, m = 20, 3
+    obs = [cluster_index(_pc1_scores(5.0 + 0.3 * rng.standard_normal((n, 400))), m)[0]
+           for _ in range(300)]
+    null = null_cluster_indices(n, m)
+    assert stats.ks_2samp(obs, null).pvalue > 0.01
+    # and it is not the law of the leading component of *structured* data
+    shifted = []
+    for _ in range(100):
+        x = rng.standard_normal((n, 400))
+        x[: n // 2, 0] += 9.0
+        shifted.append(cluster_index(_pc1_scores(x), m)[0])
+    assert stats.ks_2samp(shifted, null).pvalue < 1e-6
+
+
+def test_false_split_rate_under_the_null_is_alpha():
+    rng = np.random.default_rng(3)
+    alpha, trials = 0.05, 400
+    hits = sum(leading_split_test(_pc1_scores(rng.standard_normal((24, 300))), alpha,
+                                  min_size=4).significant for _ in range(trials))
+    # binomial(400, 0.05): 99.9 % interval about [8, 35]
+    assert 8 <= hits <= 35
+
+
+def test_a_family_split_below_the_broken_stick_is_found():
+    """Two families 15 + 15 apart along one direction, with p = 600 noise dimensions: the
+    direction carries ~7 % of the variance (broken stick for 29 components: 13.7 %)."""
+    rng = np.random.default_rng(5)
+    n, p = 30, 600
+    x = rng.standard_normal((n, p))
+    x[:15, 0] += 9.0
+    z = _pc1_scores(x)
+    share = np.linalg.svd(x - x.mean(0), compute_uv=False) ** 2
+    assert share[0] / share.sum() < sum(1 / k for k in range(1, 30)) / 29
+    res = leading_split_test(z, alpha=0.01)
+    assert res.significant and res.p_value == pytest.approx(1 / 1000)
+    truth = np.r_[np.zeros(15), np.ones(15)]
+    assert (res.labels == truth).all() or (res.labels == 1 - truth).all()
+    # too few clients for two groups of min_size: never significant
+    small = leading_split_test(z[:9], alpha=0.5, min_size=5)
+    assert not small.significant and small.p_value == 1.0
+
+
+@pytest.mark.parametrize(("kw", "match"), [
+    ({"alpha": 0.0}, "alpha: must lie in"), ({"alpha": 1.0}, "alpha: must lie in"),
+    ({"alpha": 0.1, "draws": 50}, "draws: must be an integer >= 99"),
+    ({"alpha": 0.1, "min_size": 0}, "min_size: must be an integer >= 1"),
+])
+def test_bad_parameters_are_refused_naming_the_field(kw, match):
+    with pytest.raises(ValueError, match=match):
+        leading_split_test(np.arange(12.0), **kw)
+
+
+def test_non_finite_scores_are_refused():
+    with pytest.raises(ValueError, match="scores: must be finite"):
+        leading_split_test(np.array([0.0, np.nan] * 6), 0.1)
+
+
+def _families(rng, n_each=15, p=800, shift=10.0):
+    ref = rng.standard_normal(p).astype(np.float32)
+    x = ref + rng.standard_normal((2 * n_each, p)).astype(np.float32)
+    x[:n_each, 0] += shift
+    return [f"c{i}" for i in range(2 * n_each)], x.astype(np.float32), ref
+
+
+def test_cohorter_splits_along_the_leading_component_only_when_asked():
+    ids, x, ref = _families(np.random.default_rng(9))
+    off = CLMACohorter(components="broken_stick", direction_rule="none").cohort(ids, x, ref)
+    assert off.n_cohorts == 1
+    assert off.groups[0].reason == "no component above the broken stick"
+    on = CLMACohorter(components="broken_stick", direction_rule="none",
+                      leading_split_alpha=0.01).cohort(ids, x, ref)
+    assert on.n_cohorts == 2
+    assert on.groups[0].reason.startswith("leading component split")
+    first = {on.assignments[c] for c in ids[:15]}
+    second = {on.assignments[c] for c in ids[15:]}
+    assert len(first) == len(second) == 1 and first != second
+
+
+def test_cohorter_keeps_a_single_family_whole_under_the_split_test():
+    rng = np.random.default_rng(2)
+    ref = rng.standard_normal(800).astype(np.float32)
+    x = (ref + rng.standard_normal((30, 800))).astype(np.float32)
+    res = CLMACohorter(components="broken_stick", direction_rule="none",
+                       leading_split_alpha=0.01).cohort([f"c{i}" for i in range(30)], x, ref)
+    assert res.n_cohorts == 1
+    assert "leading split not significant (p = " in res.groups[0].reason
+
+
+@pytest.mark.parametrize(("kw", "match"), [
+    ({"leading_split_alpha": 1.0}, "leading_split_alpha: must be None or lie in"),
+    ({"leading_split_alpha": 0.0}, "leading_split_alpha: must be None or lie in"),
+    ({"leading_split_min_size": 0}, "leading_split_min_size: must be an integer"),
+])
+def test_cohorter_refuses_bad_split_parameters(kw, match):
+    with pytest.raises(ValueError, match=match):
+        CLMACohorter(**kw)
