@@ -10,6 +10,9 @@ PY      = $(VENV)/bin/python
 DEVICE_VENV ?= .venv-device
 # what `make test` installs: the README's "everything" command, pip install -e '.[all,dev]'
 TEST_EXTRAS = all,dev
+# the suite on both cores, a test file per worker at a time (module fixtures built once;
+# every server a test starts binds a free loopback port). Override: PYTEST_ARGS='-p no:xdist'
+PYTEST_ARGS ?= -n 2 --dist loadfile
 
 .PHONY: run test lint bench clean-store chromium device-venv
 
