@@ -37,6 +37,9 @@ from clma.drift.river_detectors import ADWINParams, PageHinkleyParams
 from clma.drift.spec import DetectorSpec
 
 __all__ = [
+    "CONFIG_ADDITIONS",
+    "config_hash",
+    "without_additions",
     "ConfigError",
     "DataConfig",
     "DriftEvent",
@@ -643,6 +646,40 @@ class ForTestingConfig(_Strict):
     )
 
 
+#: Config fields added after the first release (0.1.0 at 6015c7a), oldest first, each
+#: with the value that reproduces how a federation ran before the field existed (a literal,
+#: not the field's default: if a default later changes, the two differ and a stored federation
+#: from before the field is refused rather than resumed under the new default). A state folder
+#: written before a field existed has no value for it; it may be resumed iff the resuming
+#: config keeps the field at this value. Every field added to the schema is registered here
+#: (tests/clma/test_state.py checks the schema against the fields of the first release).
+#: Used by :meth:`FederationConfig.fingerprint` and :func:`clma.state.resume_fingerprint`.
+CONFIG_ADDITIONS: tuple[tuple[str, Any], ...] = (
+    ("drift.input_ks", {"alpha": 0.01, "reference_size": 256, "summaries": True,
+                        "with_loss_threshold": True}),
+    ("cohort.leading_split_alpha", None),
+    ("cohort.leading_split_min_size", 5),
+)
+
+def config_hash(data: Mapping[str, Any]) -> str:
+    """SHA-256 (hex) of the canonical JSON of ``data`` (sorted keys, no spaces)."""
+    blob = json.dumps(data, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def without_additions(data: dict[str, Any], additions: tuple[tuple[str, Any], ...]) -> dict[str, Any]:
+    """``data`` without each of ``additions`` whose value equals its legacy value."""
+    out = json.loads(json.dumps(data))
+    for path, legacy in additions:
+        *parents, leaf = path.split(".")
+        node = out
+        for p in parents:
+            node = node.get(p, {}) if isinstance(node, dict) else {}
+        if isinstance(node, dict) and leaf in node and node[leaf] == legacy:
+            del node[leaf]
+    return out
+
+
 class FederationConfig(_Strict):
     """The whole federation. Load with :func:`load_config`; every field has a default."""
 
@@ -779,9 +816,19 @@ class FederationConfig(_Strict):
         return validate_config(data)
 
     def fingerprint(self) -> str:
-        """SHA-256 of the canonical JSON of the config (identifies a federation's setup)."""
-        blob = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(blob.encode()).hexdigest()
+        """SHA-256 (hex) of the canonical JSON of the config, identifying a federation's
+        setup across versions: each field of :data:`CONFIG_ADDITIONS` that keeps its legacy
+        value is left out, so a config that sets nothing new has the fingerprint the first
+        release gave it."""
+        return config_hash(without_additions(self.model_dump(mode="json"), CONFIG_ADDITIONS))
+
+    def earlier_fingerprints(self) -> set[str]:
+        """The fingerprints earlier versions gave this config: they hashed their whole dump,
+        which held the first ``i`` additions of :data:`CONFIG_ADDITIONS` (for every ``i``)
+        and none after (for caches of finished runs written before this scheme)."""
+        data = self.model_dump(mode="json")
+        return {config_hash(without_additions(data, CONFIG_ADDITIONS[i:]))
+                for i in range(len(CONFIG_ADDITIONS) + 1)}
 
     def flat_params(self) -> dict[str, str]:
         """The config flattened to dotted keys with string values (for MLflow params)."""

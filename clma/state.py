@@ -49,7 +49,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from clma.config import FederationConfig
+from clma.config import (
+    CONFIG_ADDITIONS,
+    FederationConfig,
+)
+from clma.config import (
+    config_hash as _hash,
+)
+from clma.config import (
+    without_additions as _without,
+)
 from clma.engine.state import ServerState, restore_files, snapshot_files
 
 __all__ = [
@@ -94,19 +103,6 @@ def default_state_dir(config: FederationConfig, cwd: str | Path | None = None) -
     return Path(cwd or Path.cwd()) / "state" / config.name
 
 
-#: Config fields added after a federation state could first be committed, oldest first, each
-#: with the value that reproduces how a federation ran before the field existed (a literal,
-#: not the field's default: if a default later changes, the two differ and a stored federation
-#: from before the field is refused rather than resumed under the new default). A state folder
-#: written before a field existed has no value for it; it may be resumed iff the resuming
-#: config keeps the field at this value. Every field added to the schema is registered here
-#: (tests/clma/test_state.py checks the schema against the fields of the first release).
-CONFIG_ADDITIONS: tuple[tuple[str, Any], ...] = (
-    ("drift.input_ks", {"alpha": 0.01, "reference_size": 256, "summaries": True,
-                        "with_loss_threshold": True}),
-    ("cohort.leading_split_alpha", None),
-    ("cohort.leading_split_min_size", 5),
-)
 #: The fingerprint scheme written into federation.json. Scheme 2 leaves out every registered
 #: addition that keeps its legacy value; folders without a scheme (written before it) hashed
 #: the whole dump of the version that wrote them.
@@ -122,24 +118,6 @@ def _resume_dump(config: FederationConfig) -> dict[str, Any]:
         data.pop(k, None)
     data.get("budget", {}).pop("state_dir", None)  # the ledger lives in the state dir
     return data
-
-
-def _hash(data: Mapping[str, Any]) -> str:
-    blob = json.dumps(data, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(blob.encode()).hexdigest()
-
-
-def _without(data: dict[str, Any], additions: tuple[tuple[str, Any], ...]) -> dict[str, Any]:
-    """``data`` without each of ``additions`` whose value equals its legacy value."""
-    out = json.loads(json.dumps(data))
-    for path, legacy in additions:
-        *parents, leaf = path.split(".")
-        node = out
-        for p in parents:
-            node = node.get(p, {}) if isinstance(node, dict) else {}
-        if isinstance(node, dict) and leaf in node and node[leaf] == legacy:
-            del node[leaf]
-    return out
 
 
 def resume_fingerprint(config: FederationConfig) -> str:

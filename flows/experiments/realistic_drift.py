@@ -373,12 +373,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(for runs split over several invocations) and list the missing")
 
 
-def _cached(path: Path, fingerprint: str) -> RunFigures | None:
-    """A finished run of the same config (fingerprint) from an earlier invocation."""
+def _cached(path: Path, config: FederationConfig) -> RunFigures | None:
+    """A finished run of the same config from an earlier invocation: its fingerprint, or
+    the one an earlier version gave the same config (:meth:`FederationConfig.
+    earlier_fingerprints`: a field added since, at its legacy value, is the same setup)."""
     if not path.exists():
         return None
     doc = json.loads(path.read_text("utf-8"))
-    if doc.get("config_fingerprint") != fingerprint:
+    if doc.get("config_fingerprint") not in {config.fingerprint(),
+                                             *config.earlier_fingerprints()}:
         return None
     return RunFigures(**{k: v for k, v in doc.items() if k != "mean_ari"})
 
@@ -416,7 +419,7 @@ def run(args: argparse.Namespace) -> int:
     for sc, m, d, seed in plan:
         name = m if d is None else f"{m}[{d}]"
         path = out / "runs" / sc / name / f"seed{seed}.json"
-        rec = _cached(path, method_config(scenario_config(sc), m, seed, d).fingerprint())
+        rec = _cached(path, method_config(scenario_config(sc), m, seed, d))
         if rec is None and getattr(args, "tabulate", False):
             missing.append(f"{sc} {name} seed {seed}")
             continue

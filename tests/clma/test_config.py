@@ -155,10 +155,32 @@ def test_with_overrides_validates():
 
 def test_fingerprint_is_sha256_of_canonical_json_and_changes_with_values():
     cfg = default_config()
-    blob = json.dumps(cfg.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    data = cfg.model_dump(mode="json")
+    # fields added since the first release, at their legacy values, are left out
+    del data["drift"]["input_ks"]
+    del data["cohort"]["leading_split_alpha"], data["cohort"]["leading_split_min_size"]
+    blob = json.dumps(data, sort_keys=True, separators=(",", ":"))
     assert cfg.fingerprint() == hashlib.sha256(blob.encode()).hexdigest()
     assert cfg.with_overrides(seed=1).fingerprint() != cfg.fingerprint()
     assert default_config().fingerprint() == cfg.fingerprint()
+    split = cfg.model_copy(update={"cohort": cfg.cohort.model_copy(
+        update={"leading_split_alpha": 0.01})})
+    assert split.fingerprint() != cfg.fingerprint()
+
+
+#: FederationConfig.fingerprint() of the default config as computed by the code of commits
+#: 6015c7a (first release; whole dump) and 42e4594 (whole dump, with drift.input_ks).
+FP_6015C7A = "828ca05a094ca53d451d9370f692f4a00781ad72d380047a215f933db5b97d02"
+FP_42E4594 = "75efd6d87899dc73c10db0d931f4af843ead61de8a40a5168229d36a6c6ee9a8"
+
+
+def test_fingerprint_is_the_first_releases_and_earlier_versions_are_recognised():
+    cfg = default_config()
+    assert cfg.fingerprint() == FP_6015C7A
+    assert {FP_6015C7A, FP_42E4594} <= cfg.earlier_fingerprints()
+    full = json.dumps(cfg.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    assert hashlib.sha256(full.encode()).hexdigest() in cfg.earlier_fingerprints()
+    assert FP_42E4594 not in cfg.with_overrides(seed=1).earlier_fingerprints()
 
 
 def test_flat_params_dotted_string_values():
