@@ -93,6 +93,7 @@ def test_default_and_all_params_on_keras_keys_match_fedclma():
 def test_last_layers_counts_tensors_on_keras_keys_head_selector_counts_layers():
     m = _model()
     named = tfa.get_weights(m)
+    _fedclma_tensorflow()  # loads the vendored fed-clma (not an import side effect of order)
     from fedclma_ref.params import LastLayers as TheirLast
 
     assert LastLayers(2).select(named) == TheirLast(2).select(named) == ["0006:kernel",
