@@ -4,7 +4,8 @@
 round engine (:class:`clma.engine.FederationEngine`) and one MLflow run, and runs
 ``round_flow`` once per round. Each round is its own Prefect flow run, nested under the
 federation's, whose tasks are the engine's steps, in order: select-clients,
-train-clients (mapped over chunks of clients), detect-drift, score-divergence,
+train-clients (one task run for in-process clients, else mapped over chunks of
+clients: :func:`tasks.round.train_task_chunks`), detect-drift, score-divergence,
 aggregate-per-cohort, cohort, merge-cohorts, then on evaluation rounds
 secure-aggregation and the ledger's charge-evaluation / release-evaluation steps (or
 evaluate-regions without a ledger). Each round run is named ``<federation>-round-<r>`` and
@@ -43,7 +44,6 @@ from tasks.durable import FederationSession
 from tasks.evaluate import evaluate_regions, log_evaluation, secure_aggregation_task
 from tasks.round import (
     aggregate_task,
-    chunked,
     cohort_task,
     detect_drift_task,
     merge_task,
@@ -51,6 +51,7 @@ from tasks.round import (
     score_divergence_task,
     select_clients_task,
     train_clients_task,
+    train_task_chunks,
 )
 from tasks.story import federation_round_line, publish_round_story, round_story, run_logger
 from tasks.tracking import FederationTracker, error_bar_key
@@ -137,9 +138,14 @@ def round_flow(
     eng = quote(engine)
     ctx = select_clients_task(eng, round_number)
     q = quote(ctx)
-    chunks = chunked(ctx.selected, engine.config.orchestration.chunk_size)
-    futures = [train_clients_task.submit(eng, q, chunk) for chunk in chunks]
-    engine.accept(ctx, [f.result() for f in futures])
+    per_task = train_task_chunks(ctx.selected, engine.config.orchestration.chunk_size,
+                                 in_process=transport.executor == "in-process")
+    if len(per_task) == 1:  # in-process clients: one task run, chunks in order
+        replies = train_clients_task(eng, q, per_task[0])
+    else:  # remote clients: one mapped task run per chunk, in parallel
+        futures = [train_clients_task.submit(eng, q, chunks) for chunks in per_task]
+        replies = [r for f in futures for r in f.result()]
+    engine.accept(ctx, replies)
     detect_drift_task(eng, q)
     div = score_divergence_task(eng, q)
     if div is not None and on_divergence is not None:
