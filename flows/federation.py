@@ -450,6 +450,7 @@ def federation_flow(
             session.round_done(engine, rec, tracker, last=r == last)  # lineage, dashboards, commit
             if on_round:
                 on_round(rec)
+        session.flush()  # the last dashboards drawn off the round, logged before the end
         status = "FINISHED"
         log.info(f"federation {config.name}: {len(records)} round(s) run, "
                  f"{engine.state.rounds_done} of {config.rounds} done")
