@@ -408,7 +408,9 @@ class DashboardRenderer:
     (at most one drawing is pending; evaluation rounds are rounds apart, so it is done
     by then), :meth:`wait` logs a pending drawing (the session calls it before a durable
     commit and at the end of the flow run), :meth:`close` waits and stops the worker.
-    An error while drawing is raised by the :meth:`wait` that collects it.
+    An error while drawing is raised by the :meth:`wait` that collects it; a worker that
+    cannot start or dies (``BrokenProcessPool``) makes :meth:`wait` draw in the calling
+    thread instead, then and for later rounds.
 
     What a crash can lose: the PNGs of the latest evaluation round when the process dies
     while they are drawn (at most one round's; without a state dir there is no resume,
@@ -422,7 +424,7 @@ class DashboardRenderer:
     def __init__(self, *, processes: bool = True) -> None:
         self.processes = processes
         self._pool: Any = None
-        self._pending: tuple[Any, Any] | None = None  # (future or result, tracker)
+        self._pending: tuple[Any, Any, Any, str] | None = None  # (job, tracker, doc, folder)
         self._tmp: Any = None
 
     def start(self) -> None:
@@ -454,11 +456,16 @@ class DashboardRenderer:
         self.wait()
         doc = history.to_dict()
         if self.processes:
+            from concurrent.futures.process import BrokenProcessPool
+
             self.start()
-            self._pending = (self._pool.submit(render_dashboard_files, doc, str(folder)),
-                             tracker)
+            try:
+                job = self._pool.submit(render_dashboard_files, doc, str(folder))
+            except BrokenProcessPool:  # see wait()
+                job = None
+            self._pending = (job, tracker, doc, str(folder))
             return {}
-        self._pending = (render_dashboard_files(doc, str(folder)), tracker)
+        self._pending = (render_dashboard_files(doc, str(folder)), tracker, doc, str(folder))
         return self.wait()
 
     def wait(self) -> dict[str, str]:
@@ -466,9 +473,17 @@ class DashboardRenderer:
         ``metric -> path`` (empty when nothing was pending)."""
         if self._pending is None:
             return {}
-        job, tracker = self._pending
+        from concurrent.futures.process import BrokenProcessPool
+
+        job, tracker, doc, folder = self._pending
         self._pending = None
-        paths = job if isinstance(job, dict) else job.result()
+        try:
+            paths = job if isinstance(job, dict) else job.result() if job else None
+        except BrokenProcessPool:  # the worker could not start (e.g. a __main__ script
+            paths = None  # without a main guard, which spawn re-imports) or died
+        if paths is None:  # draw here instead, and from now on
+            self.processes = False
+            paths = render_dashboard_files(doc, folder)
         if tracker is not None and getattr(tracker, "run_id", None):
             for path in paths.values():
                 tracker.client.log_artifact(tracker.run_id, path, "dashboards")

@@ -197,6 +197,29 @@ def test_a_drawing_error_is_raised_when_collected(tmp_path, history):
         renderer.close()
 
 
+def test_a_dead_worker_falls_back_to_drawing_in_the_calling_thread(tmp_path, history):
+    """A worker that dies (BrokenProcessPool) does not lose the round's dashboards: they
+    are drawn in the calling thread, logged once, and later rounds are drawn there too."""
+    import os
+    import signal
+    import time
+
+    renderer, tracker = DashboardRenderer(), _Tracker()
+    try:
+        renderer.start()
+        renderer._pool.submit(int).result()  # the worker is up
+        for pid in list(renderer._pool._processes):
+            os.kill(pid, signal.SIGKILL)
+        time.sleep(0.5)
+        renderer.submit(history, tmp_path / "d", tracker)
+        paths = renderer.wait()
+        assert sorted(paths) == ["accuracy"] and Path(paths["accuracy"]).stat().st_size > 5000
+        assert [n for _, n, _, _ in tracker.client.logged] == ["accuracy.png"]
+        assert renderer.processes is False
+    finally:
+        renderer.close()
+
+
 def test_artifact_key_is_prefect_safe():
     k = artifact_key("My Fed_v1.2")
     assert k.startswith("clma-dashboard-my-fed-v1-2-")
