@@ -41,7 +41,7 @@ from __future__ import annotations
 import hashlib
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -399,7 +399,8 @@ def _warm_up() -> None:
 
 
 class DashboardRenderer:
-    """Draws the dashboard PNGs in one worker process, off the round's critical path.
+    """Draws the dashboard PNGs in one worker process, off the round's critical path (and
+    runs other jobs there: the cohort models' export, :meth:`submit_job`).
 
     Drawing the figures of one evaluation round costs about 2 s of CPU (matplotlib: layout,
     rasterisation, PNG); in a worker process it runs on another core while the next round
@@ -426,6 +427,7 @@ class DashboardRenderer:
         self._pool: Any = None
         self._pending: tuple[Any, Any, Any, str] | None = None  # (job, tracker, doc, folder)
         self._tmp: Any = None
+        self._closed = False
 
     def start(self) -> None:
         """Start the worker process and import matplotlib there (one-time start-up)."""
@@ -439,6 +441,22 @@ class DashboardRenderer:
         self._pool = ProcessPoolExecutor(max_workers=1,
                                          mp_context=multiprocessing.get_context("spawn"))
         self._pool.submit(_warm_up)
+
+    def submit_job(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn(*args)`` (a module-level function of picklable data) in the worker
+        process, after the jobs before it; returns its ``concurrent.futures.Future``, or
+        None when there is no worker (``processes=False``, closed, or it could not start):
+        the caller then runs ``fn`` itself. Used for the cohort models' export
+        (:meth:`tasks.lineage.CohortLineageTracker.collect`)."""
+        if not self.processes or self._closed:
+            return None
+        from concurrent.futures.process import BrokenProcessPool
+
+        self.start()
+        try:
+            return self._pool.submit(fn, *args)
+        except BrokenProcessPool:
+            return None
 
     def scratch(self) -> Path:
         """A folder for PNGs when the run has no out folder (removed by :meth:`close`)."""
@@ -491,6 +509,7 @@ class DashboardRenderer:
 
     def close(self) -> None:
         """Wait for a pending drawing, stop the worker and remove the scratch folder."""
+        self._closed = True
         try:
             self.wait()
         finally:

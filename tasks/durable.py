@@ -211,9 +211,15 @@ class FederationSession:
             raise
 
     def _start_renderer(self) -> FederationSession:
-        if self.config.tracking.dashboards and self.renderer is None:
+        t = self.config.tracking
+        exports = t.enabled and t.lineage and t.log_models  # models exported there too
+        if (t.dashboards or exports) and self.renderer is None:
             self.renderer = DashboardRenderer()
             self.renderer.start()  # its start-up overlaps the set-up and round 1
+            if exports:
+                from tasks.lineage import warm_up_export
+
+                self.renderer.submit_job(warm_up_export)
         return self
 
     def restore_state(self) -> Any:
@@ -253,7 +259,8 @@ class FederationSession:
             self.lineage = CohortLineageTracker(
                 tracker.client, tracker.experiment_id, tracker.run_id,
                 registered_model_name(self.config), log_models=self.config.tracking.log_models,
-                state=self.lineage_state, models_every=self.config.tracking.models_every)
+                state=self.lineage_state, models_every=self.config.tracking.models_every,
+                worker=self.renderer)
         return self.lineage
 
     def round_done(self, engine: Any, rec: Any, tracker: Any, *, last: bool = True) -> None:
@@ -280,8 +287,10 @@ class FederationSession:
         self.commit(engine, rec.round)
 
     def flush(self) -> None:
-        """Wait for the dashboards being drawn and log them (before a commit, and before
-        the MLflow run ends)."""
+        """Wait for the dashboards being drawn and the models being exported and log them
+        (before a commit, and before the MLflow run ends)."""
+        if self.lineage is not None:
+            self.lineage.collect()
         if self.renderer is not None:
             self.renderer.wait()
 
@@ -313,6 +322,13 @@ class FederationSession:
             self.commit(self.engine, 0)
 
     def close(self, status: str = "FINISHED") -> None:
+        if self.lineage is not None:  # before the worker stops: its exports are collected
+            with contextlib.suppress(Exception):
+                if status == "FINISHED" and self.engine is not None:
+                    self.lineage.log_final_models(self.engine, self.engine.state.rounds_done)
+                else:
+                    self.lineage.collect()
+                self.lineage.finish(status)
         if self.renderer is not None:
             renderer, self.renderer = self.renderer, None
             if status == "FINISHED":
@@ -320,11 +336,6 @@ class FederationSession:
             else:  # a failed run: do not mask its error with the drawing's
                 with contextlib.suppress(Exception):
                     renderer.close()
-        if self.lineage is not None:
-            with contextlib.suppress(Exception):
-                if status == "FINISHED" and self.engine is not None:
-                    self.lineage.log_final_models(self.engine, self.engine.state.rounds_done)
-                self.lineage.finish(status)
         if self._lock is not None:
             self._lock.__exit__(None, None, None)
             self._lock = None
