@@ -521,7 +521,9 @@ class OrchestrationConfig(_Strict):
     """How Prefect runs the round's client work."""
 
     chunk_size: PositiveInt = Field(
-        default=8, description="Clients per mapped training/evaluation task."
+        default=8, description="Clients per training call of the transport: one mapped "
+        "train-clients task per chunk for Dask and Flower clients; in-process clients train "
+        "the chunks in order in one task."
     )
     dask_address: str | None = Field(
         default=None, min_length=1,

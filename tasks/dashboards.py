@@ -41,7 +41,7 @@ from __future__ import annotations
 import hashlib
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -366,35 +366,184 @@ def artifact_key(federation: str) -> str:
     return f"clma-dashboard-{slug[:40]}-{hashlib.sha256(federation.encode()).hexdigest()[:8]}"
 
 
-def publish_dashboards(history: DashboardHistory, report: Mapping[str, Any], *,
-                       federation: str, tracker: Any = None, out_dir: str | None = None,
-                       prefect_artifacts: bool = True) -> dict[str, Path | None]:
-    """Add ``report`` to ``history`` and publish the dashboards (see module docs).
+def render_dashboard_files(history: Mapping[str, Any], folder: str) -> dict[str, str]:
+    """Draw :func:`dashboard_figures` of ``history`` (:meth:`DashboardHistory.to_dict`) to
+    ``folder/<metric>.png`` at :data:`DPI`; returns ``metric -> path``. A plain function of
+    JSON data, so a worker process can run it (:class:`DashboardRenderer`)."""
+    import matplotlib
 
-    Returns ``metric -> PNG path`` (None when no out folder was given).
-    """
-    import tempfile
-
+    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    history.add_report(report)
-    figs = dashboard_figures(history)
-    written: dict[str, Path | None] = {}
-    tmp = None if out_dir else tempfile.TemporaryDirectory(prefix="clma-dashboards-")
+    figs = dashboard_figures(DashboardHistory.from_dict(dict(history)))
+    out: dict[str, str] = {}
     try:
-        folder = Path(out_dir) / "dashboards" if out_dir else Path(tmp.name)  # type: ignore[union-attr]
-        folder.mkdir(parents=True, exist_ok=True)
+        base = Path(folder)
+        base.mkdir(parents=True, exist_ok=True)
         for name, fig in figs.items():
-            path = folder / f"{name}.png"
+            path = base / f"{name}.png"
             fig.savefig(path, dpi=DPI)  # rendered once, the same file goes to MLflow
-            if tracker is not None and getattr(tracker, "run_id", None):
-                tracker.client.log_artifact(tracker.run_id, str(path), "dashboards")
-            written[name] = path if out_dir else None
+            out[name] = str(path)
     finally:
         for fig in figs.values():
             plt.close(fig)
-        if tmp is not None:
-            tmp.cleanup()
+    return out
+
+
+def _warm_up() -> None:
+    """Import the drawing stack in the worker (its one-time start-up)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot  # noqa: F401
+
+
+class DashboardRenderer:
+    """Draws the dashboard PNGs in one worker process, off the round's critical path (and
+    runs other jobs there: the cohort models' export, :meth:`submit_job`).
+
+    Drawing the figures of one evaluation round costs about 2 s of CPU (matplotlib: layout,
+    rasterisation, PNG); in a worker process it runs on another core while the next round
+    trains, and its CPU time still counts as the federation's (a child process). The flow
+    keeps the order: :meth:`submit` first waits for the previous drawing and logs its PNGs
+    (at most one drawing is pending; evaluation rounds are rounds apart, so it is done
+    by then), :meth:`wait` logs a pending drawing (the session calls it before a durable
+    commit and at the end of the flow run), :meth:`close` waits and stops the worker.
+    An error while drawing is raised by the :meth:`wait` that collects it; a worker that
+    cannot start or dies (``BrokenProcessPool``) makes :meth:`wait` draw in the calling
+    thread instead, then and for later rounds.
+
+    What a crash can lose: the PNGs of the latest evaluation round when the process dies
+    while they are drawn (at most one round's; without a state dir there is no resume,
+    and with one the commit of that round waits for them, see
+    :meth:`tasks.durable.FederationSession.round_done`). The published history itself
+    (``DashboardHistory``) is updated synchronously.
+
+    ``processes=False`` draws in the calling thread at :meth:`submit` (no worker).
+    """
+
+    def __init__(self, *, processes: bool = True) -> None:
+        self.processes = processes
+        self._pool: Any = None
+        self._pending: tuple[Any, Any, Any, str] | None = None  # (job, tracker, doc, folder)
+        self._tmp: Any = None
+        self._closed = False
+
+    def start(self) -> None:
+        """Start the worker process and import matplotlib there (one-time start-up)."""
+        if not self.processes or self._pool is not None:
+            return
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        # spawn: the flow's process has threads (Prefect, MLflow); fork would copy their
+        # locks in whatever state they are
+        self._pool = ProcessPoolExecutor(max_workers=1,
+                                         mp_context=multiprocessing.get_context("spawn"))
+        self._pool.submit(_warm_up)
+
+    def submit_job(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn(*args)`` (a module-level function of picklable data) in the worker
+        process, after the jobs before it; returns its ``concurrent.futures.Future``, or
+        None when there is no worker (``processes=False``, closed, or it could not start):
+        the caller then runs ``fn`` itself. Used for the cohort models' export
+        (:meth:`tasks.lineage.CohortLineageTracker.collect`)."""
+        if not self.processes or self._closed:
+            return None
+        from concurrent.futures.process import BrokenProcessPool
+
+        self.start()
+        try:
+            return self._pool.submit(fn, *args)
+        except BrokenProcessPool:
+            return None
+
+    def scratch(self) -> Path:
+        """A folder for PNGs when the run has no out folder (removed by :meth:`close`)."""
+        import tempfile
+
+        if self._tmp is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="clma-dashboards-")
+        return Path(self._tmp.name)
+
+    def submit(self, history: DashboardHistory, folder: Path, tracker: Any = None
+               ) -> dict[str, str]:
+        """Draw ``history`` into ``folder``; the PNGs go to ``tracker``'s run
+        (``dashboards/<metric>.png``) when collected. Returns ``metric -> path`` when
+        drawn here (``processes=False``), else ``{}``."""
+        self.wait()
+        doc = history.to_dict()
+        if self.processes:
+            from concurrent.futures.process import BrokenProcessPool
+
+            self.start()
+            try:
+                job = self._pool.submit(render_dashboard_files, doc, str(folder))
+            except BrokenProcessPool:  # see wait()
+                job = None
+            self._pending = (job, tracker, doc, str(folder))
+            return {}
+        self._pending = (render_dashboard_files(doc, str(folder)), tracker, doc, str(folder))
+        return self.wait()
+
+    def wait(self) -> dict[str, str]:
+        """Collect the pending drawing (if any): wait for it and log its PNGs; returns
+        ``metric -> path`` (empty when nothing was pending)."""
+        if self._pending is None:
+            return {}
+        from concurrent.futures.process import BrokenProcessPool
+
+        job, tracker, doc, folder = self._pending
+        self._pending = None
+        try:
+            paths = job if isinstance(job, dict) else job.result() if job else None
+        except BrokenProcessPool:  # the worker could not start (e.g. a __main__ script
+            paths = None  # without a main guard, which spawn re-imports) or died
+        if paths is None:  # draw here instead, and from now on
+            self.processes = False
+            paths = render_dashboard_files(doc, folder)
+        if tracker is not None and getattr(tracker, "run_id", None):
+            for path in paths.values():
+                tracker.client.log_artifact(tracker.run_id, path, "dashboards")
+        return paths
+
+    def close(self) -> None:
+        """Wait for a pending drawing, stop the worker and remove the scratch folder."""
+        self._closed = True
+        try:
+            self.wait()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
+            if self._tmp is not None:
+                self._tmp.cleanup()
+                self._tmp = None
+
+
+def publish_dashboards(history: DashboardHistory, report: Mapping[str, Any], *,
+                       federation: str, tracker: Any = None, out_dir: str | None = None,
+                       prefect_artifacts: bool = True,
+                       renderer: DashboardRenderer | None = None) -> dict[str, Path | None]:
+    """Add ``report`` to ``history`` and publish the dashboards (see module docs).
+
+    ``renderer``: draw the PNGs there (:class:`DashboardRenderer`, asynchronous; returns
+    ``{}`` at once, the PNGs are logged when it collects them); None: draw them here.
+    Returns ``metric -> PNG path`` (None when no out folder was given).
+    """
+    history.add_report(report)
+    if renderer is not None:
+        folder = Path(out_dir) / "dashboards" if out_dir else renderer.scratch()
+        renderer.submit(history, folder, tracker)
+        written: dict[str, Path | None] = {}
+    else:
+        sync = DashboardRenderer(processes=False)
+        try:
+            folder = Path(out_dir) / "dashboards" if out_dir else sync.scratch()
+            paths = sync.submit(history, folder, tracker)  # draws and logs at once
+            written = {name: Path(p) if out_dir else None for name, p in paths.items()}
+        finally:
+            sync.close()
     if prefect_artifacts:
         from prefect.artifacts import create_markdown_artifact, create_table_artifact
 

@@ -45,7 +45,7 @@ from clma.state import (
     restore_server,
     snapshot_server,
 )
-from tasks.dashboards import DashboardHistory, publish_dashboards
+from tasks.dashboards import DashboardHistory, DashboardRenderer, publish_dashboards
 from tasks.lineage import CohortLineageTracker, LineageState, registered_model_name
 from tasks.tracking import FederationTracker
 
@@ -159,6 +159,7 @@ class FederationSession:
     dashboards: DashboardHistory = dataclasses.field(default_factory=DashboardHistory)
     lineage_state: LineageState = dataclasses.field(default_factory=LineageState)
     lineage: CohortLineageTracker | None = None
+    renderer: DashboardRenderer | None = None  # draws the dashboard PNGs off the round
     engine: Any = None
     _snapshot: CommittedState | None = None
     _lock: Any = None
@@ -178,7 +179,7 @@ class FederationSession:
             StateError (StateLocked, StateCorrupt): locked, corrupt, or not as required.
         """
         if state_dir is None:
-            return cls(config=config, store=None, out_dir=out_dir)
+            return cls(config=config, store=None, out_dir=out_dir)._start_renderer()
         store = StateStore(state_dir, keep=config.state.keep_commits)
         lock = store.lock()
         lock.__enter__()
@@ -204,10 +205,22 @@ class FederationSession:
                 s.stored_records = snap.json("records.json")
                 s.dashboards = DashboardHistory.from_dict(snap.json("dashboards.json"))
                 s.lineage_state = LineageState.model_validate(snap.json("lineage.json"))
-            return s
+            return s._start_renderer()
         except BaseException:
             lock.__exit__(None, None, None)
             raise
+
+    def _start_renderer(self) -> FederationSession:
+        t = self.config.tracking
+        exports = t.enabled and t.lineage and t.log_models  # models exported there too
+        if (t.dashboards or exports) and self.renderer is None:
+            self.renderer = DashboardRenderer()
+            self.renderer.start()  # its start-up overlaps the set-up and round 1
+            if exports:
+                from tasks.lineage import warm_up_export
+
+                self.renderer.submit_job(warm_up_export)
+        return self
 
     def restore_state(self) -> Any:
         """The server state committed in the state dir (None for a fresh federation).
@@ -246,24 +259,40 @@ class FederationSession:
             self.lineage = CohortLineageTracker(
                 tracker.client, tracker.experiment_id, tracker.run_id,
                 registered_model_name(self.config), log_models=self.config.tracking.log_models,
-                state=self.lineage_state, models_every=self.config.tracking.models_every)
+                state=self.lineage_state, models_every=self.config.tracking.models_every,
+                worker=self.renderer)
         return self.lineage
 
     def round_done(self, engine: Any, rec: Any, tracker: Any, *, last: bool = True) -> None:
         """After round ``rec.round`` was logged: lineage, dashboards, then the commit.
-        ``last``: the flow run's last round (the lineage graph is drawn in any case)."""
+        ``last``: the flow run's last round (the lineage graph is drawn in any case).
+
+        The dashboard PNGs are drawn by :attr:`renderer` in a worker process while the
+        next round runs; with durable state the commit waits for them first (everything
+        of round r is logged before its commit), without they are collected at the next
+        evaluation round or by :meth:`flush`."""
         lineage = self._lineage(tracker)
         if lineage is not None:
             lineage.sync_round(engine, rec.round, out_dir=self.out_dir, final=last)
         report = rec.regional
         if self.config.tracking.dashboards and report:
             publish_dashboards(self.dashboards, report, federation=self.config.name,
-                               tracker=tracker, out_dir=self.out_dir)
+                               tracker=tracker, out_dir=self.out_dir, renderer=self.renderer)
         self._new_records.append(record_to_dict(rec))
         if self.store is not None and rec.evaluation is not None:
             self.store.write_audit(rec.round, rec.evaluation.audit)
+        if self.store is not None:
+            self.flush()
         _failpoint("kill-before-commit", rec.round)
         self.commit(engine, rec.round)
+
+    def flush(self) -> None:
+        """Wait for the dashboards being drawn and the models being exported and log them
+        (before a commit, and before the MLflow run ends)."""
+        if self.lineage is not None:
+            self.lineage.collect()
+        if self.renderer is not None:
+            self.renderer.wait()
 
     def _files(self, engine: Any, round_number: int) -> dict[str, bytes]:
         files = snapshot_server(engine.state, self.config, round_number)
@@ -293,11 +322,20 @@ class FederationSession:
             self.commit(self.engine, 0)
 
     def close(self, status: str = "FINISHED") -> None:
-        if self.lineage is not None:
+        if self.lineage is not None:  # before the worker stops: its exports are collected
             with contextlib.suppress(Exception):
                 if status == "FINISHED" and self.engine is not None:
                     self.lineage.log_final_models(self.engine, self.engine.state.rounds_done)
+                else:
+                    self.lineage.collect()
                 self.lineage.finish(status)
+        if self.renderer is not None:
+            renderer, self.renderer = self.renderer, None
+            if status == "FINISHED":
+                renderer.close()
+            else:  # a failed run: do not mask its error with the drawing's
+                with contextlib.suppress(Exception):
+                    renderer.close()
         if self._lock is not None:
             self._lock.__exit__(None, None, None)
             self._lock = None

@@ -55,6 +55,7 @@ round never duplicates runs or versions.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -239,6 +240,54 @@ class LineageState(BaseModel):
     ended: dict[str, str] = Field(default_factory=dict)
 
 
+@dataclasses.dataclass
+class _PendingModel:
+    cohort_id: int
+    run_id: str
+    round: int
+    sha: str
+    args: tuple[Any, ...]  # save_model_folder's (vector, spec, example)
+    tmp: Any  # tempfile.TemporaryDirectory holding the exported folder
+    job: Any  # concurrent.futures.Future -> folder, or None (export at collect)
+
+
+def save_model_folder(vector: np.ndarray, spec: Any, example: np.ndarray, tmp: str) -> str:
+    """Save the model of parameter ``vector`` (architecture ``spec``) as an MLflow model
+    (``mlflow.pytorch`` flavour, ``pt2`` exported graph, pinned torch requirement,
+    ``example`` the input example) to ``tmp/model``; returns that folder. A plain function
+    of picklable data, so a worker process can run it."""
+    import mlflow.pytorch
+    import torch
+
+    from clma.params import AllParams, vector_to_model
+
+    module = vector_to_model(vector, spec.build(seed=0), AllParams()).eval()
+    logging.getLogger("mlflow").setLevel(logging.ERROR)
+    folder = str(Path(tmp) / "model")
+    mlflow.pytorch.save_model(
+        module, folder, serialization_format="pt2", input_example=example,
+        pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"],
+    )
+    return folder
+
+
+def _save_model_in_worker(vector: np.ndarray, spec: Any, example: np.ndarray,
+                          tmp: str) -> str:
+    """:func:`save_model_folder` in a worker process: one torch thread (the rounds'
+    training keeps the other core)."""
+    import torch
+
+    torch.set_num_threads(1)
+    return save_model_folder(vector, spec, example, tmp)
+
+
+def warm_up_export() -> None:
+    """Import the export stack (torch, ``mlflow.pytorch``) in the worker process, its
+    one-time start-up, while the federation sets up."""
+    import mlflow.pytorch  # noqa: F401
+    import torch  # noqa: F401
+
+
 def _vector_sha(v: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(v, dtype=np.float32).tobytes()).hexdigest()
 
@@ -256,11 +305,16 @@ class CohortLineageTracker:
         models_every: a changed model is logged when its cohort is new, in rounds that are
             multiples of ``models_every``, and by :meth:`finish` (the flow run's last
             state); 1 = every round it changes.
+        worker: a :class:`tasks.dashboards.DashboardRenderer` (its ``submit_job``): the
+            models are exported (``mlflow.pytorch.save_model``, about 0.5 s of CPU each) in
+            its process while the next round runs and registered by :meth:`collect`;
+            None: exported and registered at once. The registered versions are the same.
     """
 
     def __init__(self, client: Any, experiment_id: str, federation_run_id: str,
                  model_name: str, *, log_models: bool = True,
-                 state: LineageState | None = None, models_every: int = 1) -> None:
+                 state: LineageState | None = None, models_every: int = 1,
+                 worker: Any = None) -> None:
         self.client = client
         self.experiment_id = experiment_id
         self.federation_run_id = federation_run_id
@@ -270,6 +324,8 @@ class CohortLineageTracker:
         self.state = state or LineageState()
         self._model_registered = False
         self._drawn: str | None = None  # the graph (doc without rounds_done) last drawn
+        self.worker = worker  # exports models in another process (submit_job), or None
+        self._pending: list[_PendingModel] = []
 
     # ------------------------------------------------------------------ runs
     def _find_run(self, cohort_id: int) -> str | None:
@@ -321,41 +377,88 @@ class CohortLineageTracker:
                                                     description=REGISTERED_MODEL_DESCRIPTION)
         self._model_registered = True
 
-    def _log_model(self, engine: Any, cohort_id: int, run_id: str,
-                   vector: np.ndarray, round_number: int, sha: str) -> str:
-        import mlflow.pytorch
-        import torch
-
-        from clma.params import AllParams, vector_to_model
-
-        self._ensure_registered_model()
-        artifact = f"model/round_{round_number:03d}"
+    def _existing_version(self, run_id: str, round_number: int, sha: str) -> str | None:
+        """A version already registered for this cohort run at ``round_number`` or with
+        these parameters (re-run of a round)."""
         existing = self.client.search_model_versions(
             f"name = '{self.model_name}' and run_id = '{run_id}'")
-        for mv in existing:  # re-run of a round, or the same parameters already registered
+        for mv in existing:
             if mv.tags.get("clma.round") == str(round_number) \
                     or mv.tags.get("clma.model.sha256") == sha:
                 return str(mv.version)
-        module = vector_to_model(vector, engine.assets.model_spec.build(seed=0),
-                                 AllParams()).eval()
-        spec = engine.assets.model_spec
-        n_features = getattr(spec, "n_features", None)  # the model's flat input (MLPSpec)
-        example = (np.zeros((2, int(n_features)), dtype=np.float32) if n_features is not None
-                   else np.zeros_like(np.asarray(engine.assets.probe_x[:2], dtype=np.float32)))
-        logging.getLogger("mlflow").setLevel(logging.ERROR)
-        with tempfile.TemporaryDirectory(prefix="clma-model-") as tmp:
-            mlflow.pytorch.save_model(
-                module, str(Path(tmp) / "model"), serialization_format="pt2",
-                input_example=example,
-                pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"],
-            )
-            self.client.log_artifacts(run_id, str(Path(tmp) / "model"), artifact)
+        return None
+
+    def _register(self, cohort_id: int, run_id: str, folder: str, round_number: int,
+                  sha: str) -> str:
+        """Log the saved model ``folder`` under ``model/round_NNN`` and register it."""
+        artifact = f"model/round_{round_number:03d}"
+        self.client.log_artifacts(run_id, folder, artifact)
         mv = self.client.create_model_version(
             self.model_name, source=f"runs:/{run_id}/{artifact}", run_id=run_id,
             tags={TAG_ID: str(cohort_id), "clma.round": str(round_number),
                   "clma.model.sha256": sha},
         )
         return str(mv.version)
+
+    def _export_args(self, engine: Any, vector: np.ndarray) -> tuple[Any, ...]:
+        spec = engine.assets.model_spec
+        n_features = getattr(spec, "n_features", None)  # the model's flat input (MLPSpec)
+        example = (np.zeros((2, int(n_features)), dtype=np.float32) if n_features is not None
+                   else np.zeros_like(np.asarray(engine.assets.probe_x[:2], dtype=np.float32)))
+        return (np.asarray(vector), spec, example)
+
+    def _log_model(self, engine: Any, cohort_id: int, run_id: str,
+                   vector: np.ndarray, round_number: int, sha: str) -> str:
+        self._ensure_registered_model()
+        version = self._existing_version(run_id, round_number, sha)
+        if version is not None:
+            return version
+        with tempfile.TemporaryDirectory(prefix="clma-model-") as tmp:
+            folder = save_model_folder(*self._export_args(engine, vector), tmp)
+            return self._register(cohort_id, run_id, folder, round_number, sha)
+
+    def _submit_model(self, engine: Any, cohort_id: int, run_id: str,
+                      vector: np.ndarray, round_number: int, sha: str) -> None:
+        """Export the model in :attr:`worker`'s process; :meth:`collect` registers it."""
+        self._ensure_registered_model()
+        version = self._existing_version(run_id, round_number, sha)
+        if version is not None:
+            self._install(cohort_id, sha, version)
+            return
+        tmp = tempfile.TemporaryDirectory(prefix="clma-model-")
+        args = self._export_args(engine, vector)
+        job = self.worker.submit_job(_save_model_in_worker, *args, tmp.name)
+        self._pending.append(_PendingModel(cohort_id, run_id, round_number, sha, args, tmp,
+                                           job))
+
+    def _install(self, cohort_id: int, sha: str, version: str) -> None:
+        key = str(cohort_id)
+        self.client.set_registered_model_alias(self.model_name, f"cohort-{cohort_id}", version)
+        self.state.model_sha[key] = sha
+        self.state.model_versions[key] = version
+
+    def collect(self) -> None:
+        """Register the models exported in the worker (in submission order): log each
+        folder, create its version, move the alias. A worker that could not start or died
+        exports here instead. Called at the start of every :meth:`sync_round`, by
+        :meth:`log_final_models` and before a durable commit
+        (:meth:`tasks.durable.FederationSession.flush`)."""
+        from concurrent.futures.process import BrokenProcessPool
+
+        pending, self._pending = self._pending, []
+        try:
+            for p in pending:
+                try:
+                    folder = p.job.result() if p.job is not None else None
+                except BrokenProcessPool:
+                    folder = None
+                if folder is None:
+                    folder = save_model_folder(*p.args, p.tmp.name)
+                self._install(p.cohort_id, p.sha,
+                              self._register(p.cohort_id, p.run_id, folder, p.round, p.sha))
+        finally:
+            for p in pending:
+                p.tmp.cleanup()
 
     # ------------------------------------------------------------------ per round
     def sync_round(self, engine: Any, round_number: int, *, out_dir: str | Path | None = None,
@@ -371,6 +474,7 @@ class CohortLineageTracker:
         """
         from mlflow.entities import Metric, RunTag
 
+        self.collect()  # models exported in the worker since the last round
         reg = engine.state.registry
         m = engine.evaluator.min_cohort
         import time
@@ -418,24 +522,29 @@ class CohortLineageTracker:
         return doc
 
     def _sync_model(self, engine: Any, cid: int, rid: str, round_number: int) -> None:
-        """Log and register cohort ``cid``'s model if it changed since its last version."""
+        """Log and register cohort ``cid``'s model if it changed since its last version
+        (in :attr:`worker`'s process when there is one, registered by :meth:`collect`)."""
         key = str(cid)
         vec = engine.state.cohort_models.get(cid)
         if not self.log_models or vec is None:
             return
         sha = _vector_sha(vec)
-        if self.state.model_sha.get(key) != sha:
-            version = self._log_model(engine, cid, rid, vec, round_number, sha)
-            self.client.set_registered_model_alias(self.model_name, f"cohort-{cid}", version)
-            self.state.model_sha[key] = sha
-            self.state.model_versions[key] = version
+        if self.state.model_sha.get(key) == sha or any(
+                p.cohort_id == cid and p.sha == sha for p in self._pending):
+            return
+        if self.worker is not None:
+            self._submit_model(engine, cid, rid, vec, round_number, sha)
+            return
+        self._install(cid, sha, self._log_model(engine, cid, rid, vec, round_number, sha))
 
     def log_final_models(self, engine: Any, round_number: int) -> None:
-        """Log every active cohort's latest model (end of a flow run)."""
+        """Log every active cohort's latest model (end of a flow run) and wait for every
+        export."""
         for cid in engine.state.registry.active_cohorts():
             rid = self.state.cohort_runs.get(str(cid))
             if rid is not None:
                 self._sync_model(engine, cid, rid, round_number)
+        self.collect()
 
     def finish(self, status: str = "FINISHED") -> None:
         """Terminate the runs of cohorts still active (end of a flow run)."""

@@ -4,8 +4,13 @@
 Tasks take and return in-memory objects (the engine, its round context, numpy arrays,
 dataclasses); none of them is cached or persisted by Prefect (``NO_CACHE``): the
 federation's durable state is committed by the flow, not by Prefect's result store.
-Training is mapped over chunks of clients so that hundreds of clients do not become
-hundreds of tiny tasks; each chunk is one call of the transport (``Clients.train``).
+Training is split into chunks of clients so that hundreds of clients do not become
+hundreds of tiny tasks; each chunk is one call of the transport (``Clients.train``). A
+transport whose clients run in this process (the simulation) trains all chunks in one
+``train-clients`` task run, one chunk after the other as the bare engine does (parallel
+threads would only contend for the GIL, and every task run costs the Prefect API); a
+transport with remote clients (Dask, Flower) maps one ``train-clients`` task run per
+chunk (:func:`train_task_chunks`).
 No task sees a client's data: the engine reaches the clients only through the seam.
 """
 
@@ -33,6 +38,7 @@ __all__ = [
     "score_divergence_task",
     "select_clients_task",
     "train_clients_task",
+    "train_task_chunks",
 ]
 
 TASK_OPTIONS: dict[str, Any] = {"cache_policy": NO_CACHE, "persist_result": False}
@@ -49,12 +55,28 @@ def select_clients_task(engine: FederationEngine, round_number: int) -> RoundCon
     return engine.begin_round(round_number)
 
 
+def train_task_chunks(selected: Sequence[int], chunk_size: int, *, in_process: bool
+                      ) -> list[list[list[int]]]:
+    """The chunks of clients of each ``train-clients`` task run: all chunks in one run
+    when the clients run in this process (``in_process``), else one run per chunk.
+
+    Raises:
+        ValueError: ``chunk_size`` below 1.
+    """
+    if chunk_size < 1:
+        raise ValueError("chunk_size: must be at least 1")
+    chunks = chunked(selected, chunk_size)
+    if in_process:
+        return [chunks] if chunks else []
+    return [[c] for c in chunks]
+
+
 @task(name="train-clients", **TASK_OPTIONS)
-def train_clients_task(engine: FederationEngine, ctx: RoundContext, client_ids: list[int]
-                       ) -> Replies[ClientUpdate]:
-    """On-device local training and drift flag for one chunk of clients (one transport
-    call); replies checked, a malformed one is a dropout."""
-    return engine.train(ctx, client_ids)
+def train_clients_task(engine: FederationEngine, ctx: RoundContext,
+                       chunks: list[list[int]]) -> list[Replies[ClientUpdate]]:
+    """On-device local training and drift flag for ``chunks`` of clients, one transport
+    call per chunk, in order; replies checked, a malformed one is a dropout."""
+    return [engine.train(ctx, ids) for ids in chunks]
 
 
 @task(name="detect-drift", **TASK_OPTIONS)

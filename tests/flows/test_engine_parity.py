@@ -54,7 +54,7 @@ def both(tmp_path_factory, prefect_harness):
 def test_round_results_equal_the_bare_engines(both):
     recs, res = both["records"], both["results"]
     assert [r.round for r in recs] == [r.round for r in res] == [1, 2, 3]
-    assert both["cfg"].orchestration.chunk_size == 4  # the flow mapped 2 chunks per round
+    assert both["cfg"].orchestration.chunk_size == 4  # 2 chunks per round (one train-clients task run)
     for a, b in zip(recs, res, strict=True):
         for k in ("cohorts", "flagged", "quarantined", "new_cohorts", "merges", "divergence"):
             assert getattr(a, k) == getattr(b, k), (a.round, k)
@@ -121,9 +121,10 @@ def test_device_state_is_on_the_device_side_only(both):
 
 
 def test_each_round_shows_the_engine_steps_as_named_prefect_tasks(both):
-    """The Prefect UI shows one task per engine step of every round, training mapped over
-    chunks of clients (``orchestration.chunk_size`` = 4: two train-clients tasks for 8
-    clients), and the ledger's charge / release steps of the evaluation."""
+    """The Prefect UI shows one task per engine step of every round, training in one
+    train-clients task for in-process clients (``orchestration.chunk_size`` = 4: the two
+    chunks of 8 clients trained in order inside it, as the bare engine does), and the
+    ledger's charge / release steps of the evaluation."""
     from collections import Counter
 
     from prefect.client.orchestration import get_client
@@ -147,7 +148,7 @@ def test_each_round_shows_the_engine_steps_as_named_prefect_tasks(both):
                          "aggregate-per-cohort", "cohort", "merge-cohorts",
                          "secure-aggregation"):
                 assert names[step] == 1, (run.name, step, names)
-            assert names["train-clients"] == 2, (run.name, names)
+            assert names["train-clients"] == 1, (run.name, names)
             # one charge per ledger entry: 3 global + 3 regional (off cadence: nothing charged)
             assert names["charge-evaluation"] == 6, (run.name, names)
             assert names["release-evaluation"] >= 3, (run.name, names)

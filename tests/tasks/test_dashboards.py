@@ -4,6 +4,7 @@ panel, alerts marked, suppressed rounds are gaps; summary rows and markdown."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import matplotlib
 
@@ -16,6 +17,7 @@ from matplotlib.lines import Line2D  # noqa: E402
 
 from tasks.dashboards import (  # noqa: E402
     DashboardHistory,
+    DashboardRenderer,
     artifact_key,
     dashboard_figures,
     publish_dashboards,
@@ -142,6 +144,82 @@ def test_publish_writes_nonempty_pngs(tmp_path, history):
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
 
 
+class _Client:
+    def __init__(self):
+        self.logged = []
+
+    def log_artifact(self, run_id, path, artifact_path):
+        self.logged.append((run_id, Path(path).name, artifact_path, Path(path).read_bytes()))
+
+
+class _Tracker:
+    run_id = "run-1"
+
+    def __init__(self):
+        self.client = _Client()
+
+
+def test_worker_process_draws_the_same_pngs_and_logs_them_when_collected(tmp_path, history):
+    """The renderer's worker process writes byte-identical PNGs to drawing them here, and
+    they reach the MLflow run only when collected (wait), never twice."""
+    here = publish_dashboards(history, _report(5, (0.6, 0.05), (0.7, 0.1)), federation="f",
+                              out_dir=str(tmp_path / "here"), prefect_artifacts=False)
+    h2 = DashboardHistory.from_dict(history.to_dict())
+    h2.drop_round(5)
+    renderer, tracker = DashboardRenderer(), _Tracker()
+    try:
+        out = publish_dashboards(h2, _report(5, (0.6, 0.05), (0.7, 0.1)), federation="f",
+                                 out_dir=str(tmp_path / "worker"), prefect_artifacts=False,
+                                 tracker=tracker, renderer=renderer)
+        assert out == {} and tracker.client.logged == []  # drawn off the calling thread
+        paths = renderer.wait()
+        assert sorted(paths) == sorted(here) == ["accuracy"]
+        assert [(r, n, a) for r, n, a, _ in tracker.client.logged] == [
+            ("run-1", "accuracy.png", "dashboards")]
+        assert tracker.client.logged[0][3] == here["accuracy"].read_bytes()
+        assert renderer.wait() == {}  # collected once
+    finally:
+        renderer.close()
+    assert renderer._pool is None
+
+
+def test_a_drawing_error_is_raised_when_collected(tmp_path, history):
+    """An error in the worker (here: the PNG folder is a file) surfaces at collection."""
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("x")
+    renderer = DashboardRenderer()
+    try:
+        renderer.submit(history, blocker, _Tracker())
+        with pytest.raises(OSError):
+            renderer.wait()
+        assert renderer.wait() == {}  # nothing pending after the error
+    finally:
+        renderer.close()
+
+
+def test_a_dead_worker_falls_back_to_drawing_in_the_calling_thread(tmp_path, history):
+    """A worker that dies (BrokenProcessPool) does not lose the round's dashboards: they
+    are drawn in the calling thread, logged once, and later rounds are drawn there too."""
+    import os
+    import signal
+    import time
+
+    renderer, tracker = DashboardRenderer(), _Tracker()
+    try:
+        renderer.start()
+        renderer._pool.submit(int).result()  # the worker is up
+        for pid in list(renderer._pool._processes):
+            os.kill(pid, signal.SIGKILL)
+        time.sleep(0.5)
+        renderer.submit(history, tmp_path / "d", tracker)
+        paths = renderer.wait()
+        assert sorted(paths) == ["accuracy"] and Path(paths["accuracy"]).stat().st_size > 5000
+        assert [n for _, n, _, _ in tracker.client.logged] == ["accuracy.png"]
+        assert renderer.processes is False
+    finally:
+        renderer.close()
+
+
 def test_artifact_key_is_prefect_safe():
     k = artifact_key("My Fed_v1.2")
     assert k.startswith("clma-dashboard-my-fed-v1-2-")
@@ -173,7 +251,6 @@ def test_band_is_clamped_to_the_clip_range():
 
 import os  # noqa: E402
 import struct  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 from tasks.dashboards import DPI, MIN_WIDTH_PX, REFUSED, SUPPRESSED  # noqa: E402
 

@@ -278,3 +278,79 @@ def test_lineage_png_is_drawn_when_the_graph_changed_or_at_the_last_round(tmp_pa
     lt2 = CohortLineageTracker(client2, "exp", "fed-run", "m", log_models=False)
     lt2.sync_round(fed, 5)
     assert [d for _, d in client2.pngs] == [data]
+
+
+def _versions(client, name, lt):
+    """cohort id -> sorted (round, sha) of its registered versions, and the aliases."""
+    out = {}
+    for key, rid in lt.state.cohort_runs.items():
+        out[int(key)] = sorted((v.tags["clma.round"], v.tags["clma.model.sha256"])
+                               for v in client.search_model_versions(
+                                   f"name = '{name}' and run_id = '{rid}'"))
+    aliases = {int(k): client.get_model_version(name, v).tags["clma.round"]
+               for k, v in lt.state.model_versions.items()}
+    return out, aliases
+
+
+@pytest.mark.parametrize("processes", [True, False], ids=["worker", "no-worker"])
+def test_models_exported_in_the_worker_register_the_same_versions(synced, tmp_path,
+                                                                  processes):
+    """Models exported in the DashboardRenderer's process (registered by collect(), at the
+    next sync_round) end as the same versions, rounds, parameter hashes and aliases as
+    exported at once; processes=False (no worker: submit_job returns None) exports at
+    collect()."""
+    from mlflow import MlflowClient
+    from tasks.dashboards import DashboardRenderer
+    from tasks.lineage import CohortLineageTracker
+
+    client0, _, _, fed0, lt0, _, name = synced
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    exp = client.create_experiment("lin", artifact_location=(tmp_path / "art").as_uri())
+    parent = client.create_run(exp, run_name="federation").info.run_id
+    cfg = load_config(SMALL)
+    sim = build_federation(cfg)
+    fed = FederationEngine(cfg, sim.assets(), SimulatedClients(sim))
+    reg = fed.state.registry
+    worker = DashboardRenderer(processes=processes)
+    lt = CohortLineageTracker(client, exp, parent, name, worker=worker)
+
+    def models(rnd, frozen=()):  # as in the `synced` fixture
+        st = fed.state
+        st.cohort_models = {
+            c: st.cohort_models[c] if c in frozen
+            else np.full(fed.assets.initial_model.shape, 0.01 * c + 0.001 * rnd, np.float32)
+            for c in reg.active_cohorts()}
+
+    try:
+        lt.sync_round(fed, 1)
+        assert len(lt._pending) == 1 and lt.state.model_versions == {}  # not yet registered
+        if processes:
+            assert lt._pending[0].job is not None
+        reg.split(0, {0: [0, 2, 4, 6, 8], 1: [1, 3, 5, 7, 9]}, round=2)
+        models(2)
+        lt.sync_round(fed, 2)  # registers round 1's model, submits cohorts 1 and 2
+        assert set(lt.state.model_versions) == {"0"}
+        reg.split(1, {0: [0, 2]}, round=3)
+        models(3)
+        lt.sync_round(fed, 3)
+        reg.merge([2, 3], round=4)
+        models(4, frozen={1})
+        lt.sync_round(fed, 4)
+        lt.collect()
+    finally:
+        worker.close()
+    assert lt._pending == []
+    assert _versions(client, name, lt) == _versions(client0, name, lt0)
+    assert lt.state.model_sha == lt0.state.model_sha
+    import mlflow.pytorch
+    import torch
+
+    x = torch.rand(3, fed.assets.model_spec.n_features)
+    for cid, rnd in ((1, 3), (4, 4)):  # the exported graphs compute the same function
+        out = []
+        for c, t, tag in ((client, lt, "got"), (client0, lt0, "ref")):
+            local = c.download_artifacts(t.state.cohort_runs[str(cid)],
+                                         f"model/round_{rnd:03d}", str(tmp_path / f"{tag}{cid}"))
+            with torch.no_grad():
+                out.append(mlflow.pytorch.load_model(local)(x).numpy())
+        np.testing.assert_array_equal(out[0], out[1])
