@@ -292,13 +292,14 @@ def _versions(client, name, lt):
     return out, aliases
 
 
-@pytest.mark.parametrize("processes", [True, False], ids=["worker", "no-worker"])
+@pytest.mark.parametrize("processes", [True, False, "killed"],
+                         ids=["worker", "no-worker", "dead-worker"])
 def test_models_exported_in_the_worker_register_the_same_versions(synced, tmp_path,
                                                                   processes):
     """Models exported in the DashboardRenderer's process (registered by collect(), at the
     next sync_round) end as the same versions, rounds, parameter hashes and aliases as
-    exported at once; processes=False (no worker: submit_job returns None) exports at
-    collect()."""
+    exported at once; processes=False (no worker: submit_job returns None) and a worker
+    killed after its start (BrokenProcessPool) export at collect()."""
     from mlflow import MlflowClient
     from tasks.dashboards import DashboardRenderer
     from tasks.lineage import CohortLineageTracker
@@ -311,7 +312,17 @@ def test_models_exported_in_the_worker_register_the_same_versions(synced, tmp_pa
     sim = build_federation(cfg)
     fed = FederationEngine(cfg, sim.assets(), SimulatedClients(sim))
     reg = fed.state.registry
-    worker = DashboardRenderer(processes=processes)
+    worker = DashboardRenderer(processes=bool(processes))
+    if processes == "killed":
+        import os
+        import signal
+        import time
+
+        worker.start()
+        worker._pool.submit(int).result()  # the worker is up
+        for pid in list(worker._pool._processes):
+            os.kill(pid, signal.SIGKILL)
+        time.sleep(0.5)
     lt = CohortLineageTracker(client, exp, parent, name, worker=worker)
 
     def models(rnd, frozen=()):  # as in the `synced` fixture
@@ -324,7 +335,7 @@ def test_models_exported_in_the_worker_register_the_same_versions(synced, tmp_pa
     try:
         lt.sync_round(fed, 1)
         assert len(lt._pending) == 1 and lt.state.model_versions == {}  # not yet registered
-        if processes:
+        if processes is True:
             assert lt._pending[0].job is not None
         reg.split(0, {0: [0, 2, 4, 6, 8], 1: [1, 3, 5, 7, 9]}, round=2)
         models(2)
