@@ -309,6 +309,9 @@ class CohortLineageTracker:
             models are exported (``mlflow.pytorch.save_model``, about 0.5 s of CPU each) in
             its process while the next round runs and registered by :meth:`collect`;
             None: exported and registered at once. The registered versions are the same.
+            What a crash can lose: the models of the latest round, not yet registered,
+            when there is no state dir (there is no resume then); with one, the session
+            collects them before it commits the round.
     """
 
     def __init__(self, client: Any, experiment_id: str, federation_run_id: str,
