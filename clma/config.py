@@ -218,6 +218,13 @@ class TrainingConfig(_Strict):
     participation: Annotated[float, Field(gt=0.0, le=1.0)] = Field(
         default=1.0, description="Fraction of clients selected per round (seeded)."
     )
+    server_learning_rate: Annotated[float, Field(gt=0.0, le=10.0)] = Field(
+        default=1.0, description="Server step on each existing cohort's model: start + "
+        "server_learning_rate * (aggregate - start) (FedOpt's server learning rate, Reddi "
+        "et al., ICLR 2021, Algorithm 1 with SGD as the server optimizer; 1 = FedAvg). "
+        "New and merged cohorts start from their members' aggregate. Under DP-FedAvg the "
+        "step post-processes the noisy aggregate (no privacy cost)."
+    )
     dp: DPFedAvgConfig = Field(default_factory=DPFedAvgConfig)
 
 
@@ -661,6 +668,7 @@ CONFIG_ADDITIONS: tuple[tuple[str, Any], ...] = (
                         "with_loss_threshold": True}),
     ("cohort.leading_split_alpha", None),
     ("cohort.leading_split_min_size", 5),
+    ("training.server_learning_rate", 1.0),
 )
 
 def config_hash(data: Mapping[str, Any]) -> str:

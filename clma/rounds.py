@@ -46,6 +46,7 @@ __all__ = [
     "quarantine",
     "fedavg",
     "aggregate_per_cohort",
+    "server_step",
     "cohort_quarantined",
     "merge_reconverged",
     "DPFedAvgResult",
@@ -167,6 +168,29 @@ def aggregate_per_cohort(
              for u in members]
         if sum(w) > 0:
             out[cid] = fedavg([u.params for u in members], w)
+    return out
+
+
+def server_step(start_models: Mapping[int, np.ndarray], models: Mapping[int, np.ndarray],
+                server_learning_rate: float) -> dict[int, np.ndarray]:
+    """The server's SGD step on each cohort that started the round: ``start + eta *
+    (aggregate - start)`` in float64, returned as float32 (FedOpt with SGD as the server
+    optimizer: Reddi et al., "Adaptive Federated Optimization", ICLR 2021, Algorithm 1;
+    ``eta`` = 1 is FedAvg). ``start_models`` / ``models``: cohort id -> float32 vector of
+    shape (P,); cohorts without a start model (new this round) are returned unchanged.
+
+    Raises:
+        ValueError: ``server_learning_rate`` not in (0, 10] (the config's rule).
+    """
+    eta = float(server_learning_rate)
+    if not 0.0 < eta <= 10.0:
+        raise ValueError("training.server_learning_rate: must be in (0, 10]")
+    out = dict(models)
+    for cid, start in start_models.items():
+        if cid in out:
+            s = np.asarray(start, dtype=np.float64)
+            out[cid] = (s + eta * (np.asarray(out[cid], dtype=np.float64) - s)).astype(
+                np.float32)
     return out
 
 

@@ -72,6 +72,7 @@ from clma.rounds import (
     merge_reconverged,
     quarantine,
     select_clients,
+    server_step,
 )
 
 __all__ = ["FederationEngine", "RoundContext", "RoundResult", "make_cohorter"]
@@ -363,6 +364,9 @@ class FederationEngine:
         else:
             ctx.models = aggregate_per_cohort(ctx.updates, ctx.quarantined, ctx.start_models,
                                               ctx.weights)
+        eta = self.config.training.server_learning_rate
+        if eta != 1.0:  # FedOpt's server step (post-processing under DP-FedAvg)
+            ctx.models = server_step(ctx.start_models, ctx.models, eta)
         return ctx.models
 
     # ---------------------------------------------------------------- 6. cohort

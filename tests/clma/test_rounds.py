@@ -478,3 +478,22 @@ def test_selection_size_and_expected_participants():
         expected_participants(11, population_size=10, sample_size=5)
     with pytest.raises(ValueError, match="cohort_size"):
         expected_participants(-1, population_size=10, sample_size=5)
+
+
+def test_server_step_is_start_plus_eta_times_the_aggregate_change():
+    """FedOpt's server SGD step (Reddi et al. 2021, Alg. 1): start + eta * (agg - start),
+    float32 out; cohorts without a start model (new) unchanged; eta = 1 is FedAvg."""
+    from clma.rounds import server_step
+
+    start = {0: np.array([0.0, 1.0, -2.0], np.float32), 1: np.array([1.0, 1.0, 1.0], np.float32)}
+    agg = {0: np.array([1.0, 0.0, -1.0], np.float32), 1: np.array([1.0, 1.0, 1.0], np.float32),
+           7: np.array([5.0, 5.0, 5.0], np.float32)}
+    out = server_step(start, agg, 1.5)
+    np.testing.assert_array_equal(out[0], np.array([1.5, -0.5, -0.5], np.float32))
+    np.testing.assert_array_equal(out[1], start[1])  # no change -> no step
+    np.testing.assert_array_equal(out[7], agg[7])    # a new cohort keeps its aggregate
+    assert all(v.dtype == np.float32 for v in out.values())
+    np.testing.assert_array_equal(server_step(start, agg, 1.0)[0], agg[0])
+    for bad in (0.0, -1.0, 11.0):
+        with pytest.raises(ValueError, match="training.server_learning_rate"):
+            server_step(start, agg, bad)

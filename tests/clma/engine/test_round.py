@@ -115,3 +115,23 @@ def test_plain_fedavg_quarantines_nobody(tiny_config, make_engine):
     assert [r.evaluation for r in res] == [None, None]  # evaluation every 5 rounds
     assert engine.state.merge_reference is None
     np.testing.assert_array_equal(sorted(engine.state.cohort_models), [0])
+
+
+def test_server_learning_rate_steps_the_aggregate_of_each_existing_cohort(tiny_config,
+                                                                          make_engine):
+    """training.server_learning_rate = eta: the round's model of cohort 0 is start + eta *
+    (FedAvg - start), from the same updates as eta = 1 (literal formula, float64)."""
+    cfg1 = tiny_config(clients=12, rounds=1, training={"local_epochs": 1},
+                       model={"hidden": [32]})
+    cfg2 = tiny_config(clients=12, rounds=1, training={"local_epochs": 1,
+                                                       "server_learning_rate": 1.5},
+                       model={"hidden": [32]})
+    plain, stepped = make_engine(cfg1), make_engine(cfg2)
+    start = plain.state.cohort_models[0].astype(np.float64)
+    assert np.array_equal(start, stepped.state.cohort_models[0].astype(np.float64))
+    plain.run_round(1)
+    stepped.run_round(1)
+    avg = plain.state.cohort_models[0].astype(np.float64)
+    want = (start + 1.5 * (avg - start)).astype(np.float32)
+    assert not np.array_equal(avg, start)
+    np.testing.assert_array_equal(stepped.state.cohort_models[0], want)
