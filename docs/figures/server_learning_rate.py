@@ -25,6 +25,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scenarios", nargs="+", required=True)
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])
     ap.add_argument("--methods", nargs="+", default=["clma_improved", "fedavg"])
+    ap.add_argument("--detector", default=None,
+                    help="drift.detector of the CLMA methods (e.g. input_ks on covariate "
+                         "scenarios; default: the scenario's)")
     args = ap.parse_args(argv)
     print("| scenario | method | server learning rate | seeds | mean ARI per event | "
           "stationary final acc. | drifted final acc. |")
@@ -33,7 +36,8 @@ def main(argv: list[str] | None = None) -> int:
         for method in args.methods:
             rows = []
             for seed in args.seeds:
-                data = method_config(scenario_config(sc), method, seed).model_dump()
+                det = args.detector if method.startswith("clma") else None
+                data = method_config(scenario_config(sc), method, seed, det).model_dump()
                 data["training"]["server_learning_rate"] = args.eta
                 rows.append(run_engine(validate_config(data)))
             events = sorted({k for r in rows for k in r["ari_per_drift_event"]}, key=int)
@@ -41,7 +45,9 @@ def main(argv: list[str] | None = None) -> int:
                             for k in events) or "n/a"
             st = np.mean([r["stationary_final_accuracy"] for r in rows])
             dr = np.mean([r["drifted_final_accuracy"] for r in rows])
-            print(f"| {sc} | {method} | {args.eta:g} | {len(rows)} | {ari} | {st:.3f} | "
+            label = f"{method}[{args.detector}]" if args.detector and method.startswith(
+                "clma") else method
+            print(f"| {sc} | {label} | {args.eta:g} | {len(rows)} | {ari} | {st:.3f} | "
                   f"{dr:.3f} |", flush=True)
     return 0
 
