@@ -365,8 +365,13 @@ class FederationEngine:
             ctx.models = aggregate_per_cohort(ctx.updates, ctx.quarantined, ctx.start_models,
                                               ctx.weights)
         eta = self.config.training.server_learning_rate
-        if eta != 1.0:  # FedOpt's server step (post-processing under DP-FedAvg)
+        fresh = ctx.training is None or ctx.training.get("status") == "aggregated"
+        if eta != 1.0 and fresh:  # FedOpt's server step (post-processing under DP-FedAvg)
             ctx.models = server_step(ctx.start_models, ctx.models, eta)
+            if ctx.training is not None and "released" in ctx.training:
+                # the ledger commits (and a re-run republishes) the stepped models; a
+                # republished round's models were stepped when first committed
+                ctx.training["released"] = {c: ctx.models[c] for c in ctx.training["released"]}
         return ctx.models
 
     # ---------------------------------------------------------------- 6. cohort

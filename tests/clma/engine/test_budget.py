@@ -520,3 +520,36 @@ def test_borrow_amount_counts_the_zcdp_entries_of_the_line(
     res = SimpleNamespace(line_cap_epsilon=150.0, line_epsilon_after=220.0)
     assert _borrow_amount(engine.budget, plans, 1, LineItem.EVALUATION_REGIONAL,
                           res) == pytest.approx(75.0, rel=1e-12)
+
+
+def test_server_learning_rate_under_dp_fedavg_is_committed_and_republished_once(
+        small_config, make_engine, mechanism_draws):
+    """Under DP-FedAvg the server step post-processes the noisy aggregate: the model the
+    round installs and the ledger commits is start + eta * (DP aggregate - start) (seeded
+    noise: the eta = 1 run draws the same aggregate), and a re-run republishes it bitwise
+    instead of stepping it again."""
+    cfg = small_config(epsilon_cap=1000.0, enabled=True, noise_seeded=True)
+    cfg = cfg.model_copy(update={
+        "training": cfg.training.model_copy(update={"local_epochs": 1}),
+        "divergence": cfg.divergence.model_copy(update={"enabled": False}),
+        "evaluation": cfg.evaluation.model_copy(update={"every": 10})})
+    plain = make_engine(cfg, budget=True)
+    start = plain.state.cohort_models[0].astype(np.float64)
+    before = snapshot_files(plain.state)
+    plain.run_round(1)
+    agg = plain.state.cohort_models[0].astype(np.float64)
+    assert not np.array_equal(agg, start)
+
+    stepped_cfg = cfg.model_copy(update={"training": cfg.training.model_copy(
+        update={"server_learning_rate": 1.5}), "budget": cfg.budget.model_copy(
+        update={"state_dir": cfg.budget.state_dir + "-eta"})})
+    stepped = make_engine(stepped_cfg, budget=True, state=restore_files(before, 0))
+    stepped.run_round(1)
+    want = (start + 1.5 * (agg - start)).astype(np.float32)
+    np.testing.assert_array_equal(stepped.state.cohort_models[0], want)
+    n = len(mechanism_draws)
+    again = make_engine(stepped_cfg, budget=open_budget(stepped_cfg),
+                        state=restore_files(before, 0))
+    again.run_round(1)  # re-run after the commit: the committed (stepped) model, once
+    assert len(mechanism_draws) == n
+    np.testing.assert_array_equal(again.state.cohort_models[0], want)
