@@ -225,6 +225,12 @@ class TrainingConfig(_Strict):
         "New and merged cohorts start from their members' aggregate. Under DP-FedAvg the "
         "step post-processes the noisy aggregate (no privacy cost)."
     )
+    server_learning_rate_scope: Literal["all", "drift_cohorts"] = Field(
+        default="all", description="Which cohorts take the server step: 'all' (every "
+        "existing cohort) or 'drift_cohorts' (only cohorts formed from drifted clients, i.e. "
+        "with a parent in the cohort registry; parentless cohorts such as the federation's "
+        "first keep FedAvg, so the models the drift tests measure against are unchanged)."
+    )
     dp: DPFedAvgConfig = Field(default_factory=DPFedAvgConfig)
 
 
@@ -669,6 +675,7 @@ CONFIG_ADDITIONS: tuple[tuple[str, Any], ...] = (
     ("cohort.leading_split_alpha", None),
     ("cohort.leading_split_min_size", 5),
     ("training.server_learning_rate", 1.0),
+    ("training.server_learning_rate_scope", "all"),
 )
 
 def config_hash(data: Mapping[str, Any]) -> str:

@@ -351,7 +351,9 @@ class FederationEngine:
     # ---------------------------------------------------------------- 5. aggregate
     def aggregate(self, ctx: RoundContext) -> dict[int, np.ndarray]:
         """FedAvg per cohort over the non-quarantined members (divergence weights
-        applied), or DP-FedAvg after the round's training charge."""
+        applied), or DP-FedAvg after the round's training charge; then the server step
+        (``training.server_learning_rate``) on the cohorts of
+        ``training.server_learning_rate_scope``."""
         if self.config.training.dp.enabled:
             reg = self.state.registry
             n, k = len(self.roster.client_ids), len(ctx.selected)
@@ -367,7 +369,11 @@ class FederationEngine:
         eta = self.config.training.server_learning_rate
         fresh = ctx.training is None or ctx.training.get("status") == "aggregated"
         if eta != 1.0 and fresh:  # FedOpt's server step (post-processing under DP-FedAvg)
-            ctx.models = server_step(ctx.start_models, ctx.models, eta)
+            starts = ctx.start_models
+            if self.config.training.server_learning_rate_scope == "drift_cohorts":
+                reg = self.state.registry
+                starts = {c: m for c, m in starts.items() if reg.cohort(c).parents}
+            ctx.models = server_step(starts, ctx.models, eta)
             if ctx.training is not None and "released" in ctx.training:
                 # the ledger commits (and a re-run republishes) the stepped models; a
                 # republished round's models were stepped when first committed

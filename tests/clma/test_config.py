@@ -69,6 +69,8 @@ def test_load_config_reads_toml_and_matches_validate(tmp_path):
          "greater than 0"),
         ({"training": {"server_learning_rate": 10.5}}, "training.server_learning_rate",
          "less than or equal"),
+        ({"training": {"server_learning_rate_scope": "root"}},
+         "training.server_learning_rate_scope", "'all' or 'drift_cohorts'"),
         ({"cohort": {"max_k": 1}}, "cohort.max_k", "greater than or equal to 2"),
         ({"evaluation": {"epsilon": 0}}, "evaluation.epsilon", "greater than 0"),
         ({"evaluation": {"loss_max": -1}}, "evaluation.loss_max", "greater than 0"),
@@ -163,7 +165,7 @@ def test_fingerprint_is_sha256_of_canonical_json_and_changes_with_values():
     # fields added since the first release, at their legacy values, are left out
     del data["drift"]["input_ks"]
     del data["cohort"]["leading_split_alpha"], data["cohort"]["leading_split_min_size"]
-    del data["training"]["server_learning_rate"]
+    del data["training"]["server_learning_rate"], data["training"]["server_learning_rate_scope"]
     blob = json.dumps(data, sort_keys=True, separators=(",", ":"))
     assert cfg.fingerprint() == hashlib.sha256(blob.encode()).hexdigest()
     assert cfg.with_overrides(seed=1).fingerprint() != cfg.fingerprint()

@@ -41,9 +41,13 @@ def test_method_configs() -> None:
     assert imp.seed == 3 and imp.drift.detector == "cusum"
     assert imp.cohort.components == "broken_stick" and imp.cohort.direction_rule == "none"
     assert imp.cohort.leading_split_alpha == 0.01
+    assert imp.training.server_learning_rate == 1.5
+    assert imp.training.server_learning_rate_scope == "drift_cohorts"
     today = rd.method_config(base, "clma", 0)
     assert today.cohort.components == "variance" and today.cohort.direction_rule == "auto"
     assert today.cohort.leading_split_alpha is None
+    assert today.training.server_learning_rate == 1.0
+    assert today.training.server_learning_rate_scope == "all"
     assert not rd.method_config(base, "fedavg", 0).cohort.enabled
     with pytest.raises(ValueError, match="method"):
         rd.method_config(base, "fedprox", 0)

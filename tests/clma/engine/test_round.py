@@ -135,3 +135,33 @@ def test_server_learning_rate_steps_the_aggregate_of_each_existing_cohort(tiny_c
     want = (start + 1.5 * (avg - start)).astype(np.float32)
     assert not np.array_equal(avg, start)
     np.testing.assert_array_equal(stepped.state.cohort_models[0], want)
+
+
+def test_server_step_scope_drift_cohorts_steps_only_cohorts_with_a_parent(drift_config,
+                                                                         make_engine):
+    """server_learning_rate_scope = "drift_cohorts": round 2 forms two child cohorts (born
+    unstepped, so the states after round 2 are equal); at round 3 each child's model is
+    start + eta * (FedAvg - start) and the root cohort's is FedAvg, byte for byte."""
+    def cfg(**training):
+        return drift_config.model_copy(update={"rounds": 3, "training": drift_config
+                                               .training.model_copy(update=training)})
+    plain = make_engine(cfg(), flags=FLAGS)
+    scoped = make_engine(cfg(server_learning_rate=1.5,
+                             server_learning_rate_scope="drift_cohorts"), flags=FLAGS)
+    for engine in (plain, scoped):
+        assert engine.run_round(1).quarantined == 0
+        assert len(engine.run_round(2).new_cohorts) == 2
+    children = [c for c in scoped.state.cohort_models if c != 0]
+    assert len(children) == 2 and all(scoped.state.registry.cohort(c).parents == [0]
+                                      for c in children)
+    start = {c: m.astype(np.float64) for c, m in scoped.state.cohort_models.items()}
+    for c, m in plain.state.cohort_models.items():
+        assert m.tobytes() == scoped.state.cohort_models[c].tobytes()
+    plain.run_round(3)
+    scoped.run_round(3)
+    assert scoped.state.cohort_models[0].tobytes() == plain.state.cohort_models[0].tobytes()
+    for c in children:
+        avg = plain.state.cohort_models[c].astype(np.float64)
+        assert not np.array_equal(avg, start[c])
+        want = (start[c] + 1.5 * (avg - start[c])).astype(np.float32)
+        np.testing.assert_array_equal(scoped.state.cohort_models[c], want)
