@@ -2,8 +2,10 @@
 
 The ledger logic (charge before noise, the borrowing gate, DP-FedAvg reserve / commit)
 lives in :mod:`clma.engine.budget`; this module only publishes the ledger: the MLflow
-table (``budget/ledger.json``), the decisions (``budget/decisions.json``), per-line
-metrics, tags for the policy and every borrowing decision, and a Prefect table artifact
+table (``budget/ledger.json``: after every round the current epoch's rows with the round
+in ``after_round``; ``log_table`` appends, so the file is the ledger's history, one block
+per round), the decisions (``budget/decisions.json``), per-line metrics, tags for the
+policy and every borrowing decision, and a Prefect table artifact (the whole ledger)
 every round.
 """
 
@@ -15,7 +17,7 @@ from typing import Any
 
 from clma.engine.budget import BudgetState, decisions_document, ledger_round
 
-__all__ = ["prefect_artifact_key", "report_budget_round"]
+__all__ = ["ledger_history_block", "prefect_artifact_key", "report_budget_round"]
 
 
 def prefect_artifact_key(name: str) -> str:
@@ -25,14 +27,32 @@ def prefect_artifact_key(name: str) -> str:
     return f"privacy-ledger-{slug[:40]}-{digest}"
 
 
+def ledger_history_block(budget: BudgetState, round_number: int) -> dict[str, list]:
+    """The rows ``budget/ledger.json`` gets after flow round ``round_number``: the ledger's
+    rows of that round's epoch (:meth:`clma.budget.PrivacyLedger.table_columns`) as columns,
+    with ``after_round`` (the round, first column). One block per round keeps the MLflow
+    file linear in the rounds (appending the whole ledger every round grew it with the
+    square of the epochs) and makes each copy say which round it is.
+
+    Raises:
+        ValueError: ``round_number`` not an integer >= 1.
+    """
+    epoch = budget.policy.epoch_of_round(ledger_round(round_number))
+    columns = budget.ledger.table_columns(epoch)
+    n = len(columns["epoch"])
+    return {"after_round": [round_number] * n, **columns}
+
+
 def report_budget_round(budget: BudgetState, tracker: Any | None, round_number: int) -> None:
-    """Report the ledger after a round: MLflow table + decisions + metrics + borrow tags
-    (when ``tracker`` is a :class:`tasks.tracking.FederationTracker`) and a Prefect table
-    artifact (always; requires a Prefect API, which every flow run has)."""
+    """Report the ledger after a round: MLflow table (:func:`ledger_history_block`,
+    appended) + decisions + metrics + borrow tags (when ``tracker`` is a
+    :class:`tasks.tracking.FederationTracker`) and a Prefect table artifact of the whole
+    ledger (always; requires a Prefect API, which every flow run has)."""
     rows = budget.ledger.table()
     if tracker is not None and tracker.run_id:
         tracker.client.log_table(
-            tracker.run_id, data=budget.ledger.table_columns(), artifact_file="budget/ledger.json"
+            tracker.run_id, data=ledger_history_block(budget, round_number),
+            artifact_file="budget/ledger.json"
         )
         tracker.log_dict(decisions_document(budget), "budget/decisions.json")
         epoch = budget.policy.epoch_of_round(ledger_round(round_number))
