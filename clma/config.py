@@ -227,9 +227,10 @@ class TrainingConfig(_Strict):
     )
     server_learning_rate_scope: Literal["all", "drift_cohorts"] = Field(
         default="all", description="Which cohorts take the server step: 'all' (every "
-        "existing cohort) or 'drift_cohorts' (only cohorts formed from drifted clients, i.e. "
-        "with a parent in the cohort registry; parentless cohorts such as the federation's "
-        "first keep FedAvg, so the models the drift tests measure against are unchanged)."
+        "existing cohort) or 'drift_cohorts' (only cohorts with a parent in the cohort "
+        "registry: formed from drifted clients by a split, or by a merge, so a merge with "
+        "the federation's first cohort steps its clients too; parentless cohorts such as "
+        "the first keep FedAvg, so until a drift event nothing changes)."
     )
     dp: DPFedAvgConfig = Field(default_factory=DPFedAvgConfig)
 

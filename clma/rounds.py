@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -47,6 +47,7 @@ __all__ = [
     "fedavg",
     "aggregate_per_cohort",
     "server_step",
+    "server_step_cohorts",
     "cohort_quarantined",
     "merge_reconverged",
     "DPFedAvgResult",
@@ -192,6 +193,24 @@ def server_step(start_models: Mapping[int, np.ndarray], models: Mapping[int, np.
             out[cid] = (s + eta * (np.asarray(out[cid], dtype=np.float64) - s)).astype(
                 np.float32)
     return out
+
+
+def server_step_cohorts(registry: CohortRegistry, cohort_ids: Iterable[int],
+                        scope: str) -> list[int]:
+    """The cohorts among ``cohort_ids`` that take the server step under
+    ``training.server_learning_rate_scope``: all of them for ``"all"``; for
+    ``"drift_cohorts"`` those with a parent in ``registry`` (formed by a split of drifted
+    clients or by a merge, a merge with a parentless cohort included). Sorted ids.
+
+    Raises:
+        ValueError: ``scope`` not ``"all"`` or ``"drift_cohorts"``.
+    """
+    if scope == "all":
+        return sorted(cohort_ids)
+    if scope != "drift_cohorts":
+        raise ValueError("training.server_learning_rate_scope: must be 'all' or "
+                         "'drift_cohorts'")
+    return sorted(c for c in cohort_ids if registry.cohort(c).parents)
 
 
 def cohort_quarantined(

@@ -73,6 +73,7 @@ from clma.rounds import (
     quarantine,
     select_clients,
     server_step,
+    server_step_cohorts,
 )
 
 __all__ = ["FederationEngine", "RoundContext", "RoundResult", "make_cohorter"]
@@ -369,11 +370,10 @@ class FederationEngine:
         eta = self.config.training.server_learning_rate
         fresh = ctx.training is None or ctx.training.get("status") == "aggregated"
         if eta != 1.0 and fresh:  # FedOpt's server step (post-processing under DP-FedAvg)
-            starts = ctx.start_models
-            if self.config.training.server_learning_rate_scope == "drift_cohorts":
-                reg = self.state.registry
-                starts = {c: m for c, m in starts.items() if reg.cohort(c).parents}
-            ctx.models = server_step(starts, ctx.models, eta)
+            stepped = server_step_cohorts(self.state.registry, ctx.start_models,
+                                          self.config.training.server_learning_rate_scope)
+            ctx.models = server_step({c: ctx.start_models[c] for c in stepped}, ctx.models,
+                                     eta)
             if ctx.training is not None and "released" in ctx.training:
                 # the ledger commits (and a re-run republishes) the stepped models; a
                 # republished round's models were stepped when first committed

@@ -36,6 +36,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="drift.detector of the CLMA methods (e.g. input_ks on covariate "
                          "scenarios; default: the scenario's)")
     args = ap.parse_args(argv)
+    unknown = sorted(set(args.methods) - {"clma", "clma_improved", "fedavg"})
+    if unknown:
+        ap.error(f"--methods: must be among clma, clma_improved, fedavg, got {unknown}")
+    if not 0.0 < args.eta <= 10.0:
+        ap.error("--eta: training.server_learning_rate must be in (0, 10]")
     print(f"server learning rate scope: {args.scope}")
     print("| scenario | method | server learning rate | seeds | mean ARI per event | "
           "stationary final acc. | drifted final acc. |")

@@ -497,3 +497,22 @@ def test_server_step_is_start_plus_eta_times_the_aggregate_change():
     for bad in (0.0, -1.0, 11.0):
         with pytest.raises(ValueError, match="training.server_learning_rate"):
             server_step(start, agg, bad)
+
+
+def test_server_step_cohorts_by_scope():
+    """drift_cohorts: cohorts with a parent (split children, merges, a merge with the root
+    included); the parentless root and a second root are not stepped; all: every id."""
+    from clma.rounds import server_step_cohorts
+
+    reg = CohortRegistry()
+    root = reg.create_root(range(10), 0)
+    other = reg.create_root([10, 11], 0)
+    kids = reg.split(root, {0: [0, 1, 2], 1: [3, 4, 5]}, 4)
+    a, b = kids[0], kids[1]
+    assert server_step_cohorts(reg, [root, other, a, b], "drift_cohorts") == sorted([a, b])
+    assert server_step_cohorts(reg, [b, a, other, root], "all") == sorted([root, other, a, b])
+    merged = reg.merge([root, a], 6)
+    assert reg.cohort(merged).parents == sorted([root, a])
+    assert server_step_cohorts(reg, [merged, b, other], "drift_cohorts") == sorted([merged, b])
+    with pytest.raises(ValueError, match="training.server_learning_rate_scope"):
+        server_step_cohorts(reg, [root], "root")
