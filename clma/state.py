@@ -67,6 +67,7 @@ __all__ = [
     "STATE_SCHEMA",
     "accepted_fingerprints",
     "config_differences",
+    "config_mismatch_message",
     "CommittedState",
     "StateCorrupt",
     "StateError",
@@ -174,6 +175,18 @@ def config_differences(config: FederationConfig, stored: Mapping[str, Any]) -> l
         if isinstance(node, dict):
             node.setdefault(leaf, json.loads(json.dumps(legacy)))
     return _differing_fields(_resume_dump(config), other)
+
+
+def config_mismatch_message(config: FederationConfig, stored: Mapping[str, Any] | None,
+                            field: str = "config") -> str:
+    """The refusal of a ``config`` that differs from the federation ``stored`` (a config
+    dump; None when the state directory has none, then no field is named) in a state
+    directory: ``field``, the differing field names (:func:`config_differences`, at most 8
+    named) and the fields that may change when resuming. Names only, never values."""
+    names = [] if stored is None else config_differences(config, stored)
+    return (f"{field}: differs from the federation stored in the state directory"
+            + _at(names) + " (only "
+            + ", ".join(RESUMABLE_FIELDS) + " may change when resuming)")
 
 
 def _at(names: list[str]) -> str:
@@ -411,13 +424,9 @@ def restore_server(snapshot: CommittedState, config: FederationConfig) -> Server
     info = snapshot.json("federation.json")
     if info.get("resume_fingerprint") not in accepted_fingerprints(
             config, info.get("fingerprint_scheme")):
-        where = ""
-        if "config.json" in snapshot.files:
-            stored = snapshot.json("config.json")
-            where = _at(config_differences(config, stored if isinstance(stored, dict) else {}))
-        raise StateError(
-            "config: differs from the federation stored in the state directory" + where
-            + " (only " + ", ".join(RESUMABLE_FIELDS) + " may change when resuming)")
+        stored = snapshot.json("config.json") if "config.json" in snapshot.files else None
+        raise StateError(config_mismatch_message(
+            config, stored if isinstance(stored, dict) or stored is None else {}))
     try:
         return restore_files(snapshot.files, int(info["round"]))
     except ValueError as exc:

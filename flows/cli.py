@@ -205,7 +205,7 @@ def _check_state_dir(args: argparse.Namespace, cfg: Any = None) -> int:
     """Rounds already committed in --resume STATE_DIR (0 without one). Raises StateError
     when --resume names no federation, --state-dir already holds one, --rounds asks for
     fewer rounds than are committed, or --config differs from the stored federation."""
-    from clma.state import RESUMABLE_FIELDS, StateError, config_differences, resume_fingerprint
+    from clma.state import StateError, config_mismatch_message, resume_fingerprint
     from tasks.durable import state_summary, stored_config
 
     if args.resume is not None and args.state_dir is not None:
@@ -221,11 +221,8 @@ def _check_state_dir(args: argparse.Namespace, cfg: Any = None) -> int:
         stored = stored_config(args.resume)
         if cfg is not None and stored is not None and (
                 resume_fingerprint(cfg) != resume_fingerprint(stored)):
-            names = config_differences(cfg, stored.model_dump(mode="json"))
-            raise StateError(
-                "--config: differs from the federation stored in the state directory"
-                + (f" at {', '.join(names[:8])}" if names else "")
-                + " (only " + ", ".join(RESUMABLE_FIELDS) + " may change when resuming)")
+            raise StateError(config_mismatch_message(cfg, stored.model_dump(mode="json"),
+                                                     "--config"))
         return int(done)
     if args.state_dir is not None and state_summary(args.state_dir)["round"] is not None:
         raise StateError(f"--state-dir {str(args.state_dir)!r}: already holds a federation; "

@@ -181,6 +181,18 @@ def test_resume_rounds_below_committed_and_other_config_refused(capsys, tmp_path
                "--out", str(tmp_path / "o")])
     err = capsys.readouterr().err
     assert rc == 2 and err.startswith("clma: --config: differs from the federation stored")
+    # the same refusal as the state's own (clma.state.config_mismatch_message): names only
+    from pathlib import Path
+
+    import clma
+
+    text = (Path(clma.__file__).parent / "configs" / "default.toml").read_text()
+    assert "\nseed = 0\n" in text
+    other.write_text(text.replace("\nseed = 0\n", "\nseed = 7\n"))
+    rc = main(["run", "--resume", str(state), "--config", str(other), "--quiet",
+               "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "directory at seed (only rounds," in err and "7" not in err
 
 
 # ------------------------------------------------------------------ experiments' arguments
