@@ -182,6 +182,14 @@ def test_ledger_round_maps_flow_rounds_from_one_to_ledger_rounds_from_zero():
 # --------------------------------------------------------------------------- training
 
 
+def _one_epoch_training_only(cfg):
+    """``cfg`` with one local epoch, no divergence scoring and no evaluation in round 1."""
+    return cfg.model_copy(update={
+        "training": cfg.training.model_copy(update={"local_epochs": 1}),
+        "divergence": cfg.divergence.model_copy(update={"enabled": False}),
+        "evaluation": cfg.evaluation.model_copy(update={"every": 10})})
+
+
 def _updates(rng, n_clients, n_params, cohort=0, scale=1.0):
     return [ClientUpdate(c, cohort, (scale * rng.normal(size=n_params)).astype(np.float32), 10, False)
             for c in range(n_clients)]
@@ -306,10 +314,7 @@ def test_engine_rerun_of_a_dp_round_republishes_every_model_bitwise(small_config
             return out
 
     cfg = small_config(epsilon_cap=1000.0, enabled=True, noise_seeded=False)
-    cfg = cfg.model_copy(update={
-        "training": cfg.training.model_copy(update={"local_epochs": 1}),
-        "divergence": cfg.divergence.model_copy(update={"enabled": False}),
-        "evaluation": cfg.evaluation.model_copy(update={"every": 10})})
+    cfg = _one_epoch_training_only(cfg)
     engine = make_engine(cfg, budget=True)
     sim = engine.clients.federation
     engine = make_engine(cfg, Flagging(sim), budget=engine.budget)
@@ -529,10 +534,7 @@ def test_server_learning_rate_under_dp_fedavg_is_committed_and_republished_once(
     noise: the eta = 1 run draws the same aggregate), and a re-run republishes it bitwise
     instead of stepping it again."""
     cfg = small_config(epsilon_cap=1000.0, enabled=True, noise_seeded=True)
-    cfg = cfg.model_copy(update={
-        "training": cfg.training.model_copy(update={"local_epochs": 1}),
-        "divergence": cfg.divergence.model_copy(update={"enabled": False}),
-        "evaluation": cfg.evaluation.model_copy(update={"every": 10})})
+    cfg = _one_epoch_training_only(cfg)
     plain = make_engine(cfg, budget=True)
     start = plain.state.cohort_models[0].astype(np.float64)
     before = snapshot_files(plain.state)
