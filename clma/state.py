@@ -19,6 +19,8 @@ A state directory holds one federation::
                                     each set and each difference of nested sets >= floor)
       ledger/                       the privacy ledger (its own transactional SQLite store)
       .lock                         flock: one flow run at a time per state directory
+      serve.lock                    flock: one ``clma serve`` per state directory; holds
+                                    who serves it (pid, host, deployment, since)
 
 Nothing random is stored: every random choice of a round is seeded by (seed, round), so a
 round re-run from the same snapshot makes the same choices. Nothing of a client is stored
@@ -71,6 +73,7 @@ __all__ = [
     "CommittedState",
     "StateCorrupt",
     "StateError",
+    "ServeLocked",
     "StateLocked",
     "StateStore",
     "default_state_dir",
@@ -95,6 +98,15 @@ class StateCorrupt(StateError):
 
 class StateLocked(StateError):
     """Another process holds the state directory's lock (a flow run is in progress)."""
+
+
+class ServeLocked(StateLocked):
+    """Another process serves the state directory (``clma serve``); ``holder`` says which:
+    ``{"pid", "host", "deployment", "since"}`` (empty if it could not be read)."""
+
+    def __init__(self, message: str, holder: Mapping[str, Any]) -> None:
+        super().__init__(message)
+        self.holder = dict(holder)
 
 
 def default_state_dir(config: FederationConfig, cwd: str | Path | None = None) -> Path:
@@ -375,6 +387,52 @@ class StateStore:
             try:
                 yield
             finally:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
+
+    @contextlib.contextmanager
+    def serve_lock(self, deployment: str) -> Iterator[dict[str, Any]]:
+        """Exclusive lock of one serving process (``clma serve``) on this state directory.
+
+        An ``flock`` on ``serve.lock`` (non-blocking), so the kernel releases it when the
+        process ends, also by a crash or SIGKILL: a stale file never blocks the next serve.
+        The holder (``pid``, ``host``, ``deployment``, ``since`` as UTC ISO 8601) is written
+        into the file while held and cleared on release. Yields the holder.
+
+        Raises:
+            ServeLocked: another process holds it; the message names that process.
+        """
+        import datetime
+        import socket
+
+        self.root.mkdir(parents=True, exist_ok=True)
+        path = self.root / "serve.lock"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                try:
+                    holder = json.loads(path.read_text("utf-8") or "{}")
+                except (OSError, ValueError):
+                    holder = {}
+                who = (f"deployment {holder.get('deployment')!r}, pid {holder.get('pid')} on "
+                       f"{holder.get('host')}, since {holder.get('since')}"
+                       if holder else "a process that has not yet written its name")
+                raise ServeLocked(f"state dir {str(self.root)!r} is already served ({who}); "
+                                  "stop that `clma serve` first (SIGTERM or Ctrl-C)",
+                                  holder) from None
+            holder = {"pid": os.getpid(), "host": socket.gethostname(),
+                      "deployment": deployment,
+                      "since": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(holder).encode(), 0)
+            os.fsync(fd)
+            try:
+                yield holder
+            finally:
+                os.ftruncate(fd, 0)
                 fcntl.flock(fd, fcntl.LOCK_UN)
         finally:
             os.close(fd)

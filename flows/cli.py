@@ -253,7 +253,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if _prefect_home_refused():
         return 2
     try:
-        _make_out(args)  # only now: a run refused above leaves no --out folder
+        if cfg.transport != "flower":  # on Flower, launch() creates it once the run is taken
+            _make_out(args)  # only now: a run refused above leaves no --out folder
     except ConfigError as exc:
         print(f"clma: {exc}", file=sys.stderr)
         return 2

@@ -187,8 +187,6 @@ def launch(config: Any, *, out_dir: str | os.PathLike, state_dir: str | os.PathL
             are not there, or the SuperLink refused the run.
     """
     from clma.flower.transport import check_noise_source
-    from flows.flower_serverapp import Job, device_config
-    from tasks.tracking import default_tracking_uri
 
     check_noise_source(config)  # refused here, before anything is submitted
     app = app_dir(config)
@@ -196,9 +194,27 @@ def launch(config: Any, *, out_dir: str | os.PathLike, state_dir: str | os.PathL
         raise FlowerLaunchError(f"federation.flower.app_dir: {str(app)!r} has no pyproject.toml "
                                 "(a Flower app folder)")
     flwr = _flwr()
-    out = Path(out_dir).resolve()
-    out.mkdir(parents=True, exist_ok=True)
+    out = Path(out_dir).resolve()  # created once the SuperLink took the run
     root = Path(tempfile.mkdtemp(prefix="clma-flower-job-"))
+    try:
+        run_id, cli_env = _submit(config, app, flwr, root, out, state_dir, resume,
+                                  max_new_rounds)
+    except BaseException:
+        shutil.rmtree(root, ignore_errors=True)  # nothing of a refused run stays behind
+        raise
+    out.mkdir(parents=True, exist_ok=True)
+    if on_start is not None:
+        on_start(run_id)
+    return _follow(flwr, cli_env, run_id, root, out, quiet, on_round)
+
+
+def _submit(config: Any, app: Path, flwr: str, root: Path, out: Path,
+            state_dir: str | os.PathLike | None, resume: bool | None,
+            max_new_rounds: int | None) -> tuple[str, dict[str, str]]:
+    """Write the job into ``root`` and submit it with ``flwr run``: (run id, CLI env)."""
+    from flows.flower_serverapp import Job, device_config
+    from tasks.tracking import default_tracking_uri
+
     env: dict[str, str] = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
     env["PREFECT_HOME"] = str(Path(os.environ.get("PREFECT_HOME", "~/.prefect")).expanduser()
                               .resolve())
@@ -223,8 +239,12 @@ def launch(config: Any, *, out_dir: str | os.PathLike, state_dir: str | os.PathL
     if r.returncode != 0 or not doc.get("success") or not run_id:
         why = doc.get("error-message") or (r.stderr or r.stdout).strip()[-800:]
         raise FlowerLaunchError(f"flwr run on {config.flower.superlink} failed: {why}")
-    if on_start is not None:
-        on_start(run_id)
+    return run_id, cli_env
+
+
+def _follow(flwr: str, cli_env: dict[str, str], run_id: str, root: Path, out: Path,
+            quiet: bool, on_round: Callable[[dict[str, Any]], None] | None) -> LaunchResult:
+    """Follow Flower run ``run_id`` to its end (module docstring, steps 3 and 4)."""
     logs = out / "flower"
     logs.mkdir(exist_ok=True)
     log = logs / f"run-{run_id}.log"

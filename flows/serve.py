@@ -2,7 +2,8 @@
 
 ``clma serve`` (or :func:`serve_federation`) registers :func:`scheduled_federation_flow`
 as a deployment with the config's schedule (``schedule.cron`` or
-``schedule.interval_seconds``) through the flow's own ``serve`` API and keeps serving it:
+``schedule.interval_seconds``) through Prefect's ``Runner`` (what ``flow.serve`` uses) and
+keeps serving it:
 every scheduled run -- or a manual ``prefect deployment run
 'clma-scheduled-federation/<name>'`` -- loads the federation's durable state
 (``state.dir``, default ``state/<name>``), advances it by ``schedule.rounds_per_run``
@@ -10,9 +11,12 @@ rounds (never beyond ``rounds``) and commits the state after each round. Runs ar
 the rounds they advance (``<name>-rounds-3-4``) and log what they do; the run that
 completes the federation (or finds it complete) logs "federation complete" and pauses the
 deployment, so the schedule stops firing. At most one run at a time: the deployment's
-concurrency limit is 1 (``global_limit=1``, shown on the deployment; the serving process
+concurrency limit is 1 (``concurrency_limit=1``, shown on the deployment; the serving process
 also runs one at a time and the state directory's lock refuses a second one anyway). On
-SIGTERM the deployment is paused, so it shows no next run while nothing serves it.
+SIGTERM or SIGINT (Ctrl-C) ``clma serve`` stops cleanly and pauses the deployment, so it
+shows no next run while nothing serves it. One ``clma serve`` per state directory (a lock
+beside the state, released on exit and after a crash); on a complete federation it serves
+nothing and leaves the deployment paused.
 
 It needs a Prefect API that outlives the command: a server (``infra/prefect-server.sh
 start`` and ``PREFECT_API_URL``). With ``federation.transport = "flower"`` each scheduled
@@ -36,6 +40,7 @@ from clma.state import default_state_dir
 __all__ = [
     "DEPLOYMENT_FLOW",
     "advance_run_name",
+    "deployment_spec",
     "pause_deployment",
     "resolve",
     "scheduled_federation_flow",
@@ -155,7 +160,7 @@ def scheduled_federation_flow(
     return summary
 
 
-def serve_federation(
+def deployment_spec(
     config_path: str | None = None,
     state_dir: str | None = None,
     *,
@@ -163,12 +168,14 @@ def serve_federation(
     cron: str | None = None,
     interval_seconds: int | None = None,
     rounds_per_run: int | None = None,
-) -> None:
-    """Register the deployment with its schedule and serve it until SIGTERM (blocking).
+) -> tuple[FederationConfig, Path, str, dict[str, Any]]:
+    """What :func:`serve_federation` registers: ``(config, state dir, deployment name,
+    keyword arguments of Prefect's Runner.add_flow)``.
 
     Schedule: ``cron`` / ``interval_seconds`` arguments, else the config's ``schedule``;
     with neither, the deployment has no schedule and runs only when triggered. Paths are
     made absolute so the served runs find them whatever their working directory.
+    Raises ValueError (both cron and interval), ConfigError, StateError.
     """
     cfg, sdir = resolve(config_path, state_dir)
     sched = cfg.schedule
@@ -182,27 +189,132 @@ def serve_federation(
         "rounds_per_run": rounds_per_run or sched.rounds_per_run,
     }
     dep_name = name or cfg.name
+    spec = {
+        "name": dep_name,
+        "cron": cron,
+        "interval": interval_seconds,
+        "parameters": params,
+        "description": f"Advance federation {cfg.name!r} by {params['rounds_per_run']} "
+                       f"round(s) per run from its durable state in {params['state_dir']}. "
+                       "At most one run at a time (concurrency limit 1); paused when the "
+                       "federation is complete or `clma serve` stops.",
+        "tags": ["clma"],
+        "paused": False,  # serving again resumes a deployment paused by a shutdown
+        "concurrency_limit": 1,  # the deployment's concurrency limit (shown in the UI)
+    }
+    return cfg, sdir, dep_name, spec
+
+
+def _pause_by_name(dep_name: str) -> bool:
+    """Pause ``clma-scheduled-federation/<dep_name>`` if it exists; False otherwise."""
+    from prefect.client.orchestration import get_client
+
     try:
-        scheduled_federation_flow.serve(
-            name=dep_name,
-            cron=cron,
-            interval=interval_seconds,
-            parameters=params,
-            description=f"Advance federation {cfg.name!r} by {params['rounds_per_run']} "
-                        f"round(s) per run from its durable state in {params['state_dir']}. "
-                        "At most one run at a time (concurrency limit 1); paused when the "
-                        "federation is complete or `clma serve` stops.",
-            tags=["clma"],
-            paused=False,  # serving again resumes a deployment paused by a shutdown
-            global_limit=1,  # the deployment's concurrency limit (shown in the UI)
-            limit=1,  # this process runs one flow run at a time
-            pause_on_shutdown=True,
-        )
-    finally:  # also after SIGTERM: the deployment shows no next run while nothing serves it
-        with contextlib.suppress(Exception):
-            from prefect.client.orchestration import get_client
+        with get_client(sync_client=True) as client:
+            dep = client.read_deployment_by_name(f"{DEPLOYMENT_FLOW}/{dep_name}")
+    except Exception:  # noqa: BLE001 (absent or API down: nothing to pause)
+        return False
+    return pause_deployment(dep.id)
 
-            with get_client(sync_client=True) as client:
-                dep = client.read_deployment_by_name(f"{DEPLOYMENT_FLOW}/{dep_name}")
-            pause_deployment(dep.id)
 
+def _run_until_signal(runner: Any, stop_timeout: float = 60.0) -> None:
+    """Run Prefect's ``runner`` until SIGTERM or SIGINT (Ctrl-C), then stop it cleanly.
+
+    The runner runs in a thread of its own, so it installs no signal handler (Prefect's
+    own SIGTERM handler exits from inside the event loop and prints a traceback; its
+    SIGINT path can hang); this thread waits for the signal and stops the runner with
+    ``Runner.astop`` (a flow run in progress is cancelled; its round was not committed
+    and is run again from the last commit by the next run). Re-raises what ended the
+    runner on its own (e.g. the Prefect API went away).
+    """
+    import asyncio
+    import signal
+    import threading
+
+    stop = threading.Event()
+    box: dict[str, Any] = {}
+
+    async def main() -> None:
+        box["loop"], box["task"] = asyncio.get_running_loop(), asyncio.current_task()
+        await runner.start()
+
+    def target() -> None:
+        try:
+            asyncio.run(main())
+        except asyncio.CancelledError:
+            pass
+        except BaseException as exc:  # noqa: BLE001 (handed to the serving thread)
+            box["error"] = exc
+
+    thread = threading.Thread(target=target, name="clma-serve-runner", daemon=True)
+    signals = (signal.SIGTERM, signal.SIGINT)
+    previous = {s: signal.signal(s, lambda *_: stop.set()) for s in signals}
+    try:
+        thread.start()
+        while thread.is_alive() and not stop.wait(0.5):
+            pass
+        if thread.is_alive():
+            loop = box.get("loop")
+            if loop is not None:
+                async def halt() -> None:
+                    if runner.started:
+                        await runner.astop()
+                    else:
+                        box["task"].cancel()
+
+                with contextlib.suppress(Exception):
+                    asyncio.run_coroutine_threadsafe(halt(), loop).result(stop_timeout)
+            thread.join(stop_timeout)
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+    if "error" in box:
+        raise box["error"]
+
+
+def serve_federation(
+    config_path: str | None = None,
+    state_dir: str | None = None,
+    *,
+    name: str | None = None,
+    cron: str | None = None,
+    interval_seconds: int | None = None,
+    rounds_per_run: int | None = None,
+    on_ready: Any = None,
+) -> str:
+    """Register the deployment with its schedule and serve it until SIGTERM or SIGINT
+    (blocking). Returns ``"stopped"`` after a signal, ``"complete"`` at once (nothing
+    registered or served, the deployment left paused) when the federation in the state
+    directory has committed all its rounds.
+
+    One serving process per state directory (:meth:`clma.state.StateStore.serve_lock`,
+    released on exit, also after a crash). ``on_ready(deployment_name, deployment_id)`` is
+    called once the deployment is registered, before serving starts. On exit the deployment is paused,
+    so it shows no next run while nothing serves it. Schedule and paths:
+    :func:`deployment_spec`.
+
+    Raises:
+        clma.state.ServeLocked: another ``clma serve`` serves this state directory.
+        ValueError, ConfigError, StateError: as :func:`deployment_spec`.
+    """
+    from prefect.runner import Runner
+
+    from clma.state import StateStore
+
+    cfg, sdir, dep_name, spec = deployment_spec(
+        config_path, state_dir, name=name, cron=cron, interval_seconds=interval_seconds,
+        rounds_per_run=rounds_per_run)
+    with StateStore(sdir).serve_lock(f"{DEPLOYMENT_FLOW}/{dep_name}"):
+        _, _, first, last = _plan(config_path, str(sdir), spec["parameters"]["rounds_per_run"])
+        if first > last:  # complete: serving it would only un-pause its schedule
+            _pause_by_name(dep_name)
+            return "complete"
+        try:
+            runner = Runner(name=dep_name, pause_on_shutdown=True, limit=1)
+            deployment_id = runner.add_flow(scheduled_federation_flow, **spec)
+            if on_ready is not None:
+                on_ready(dep_name, deployment_id)
+            _run_until_signal(runner)
+        finally:  # the deployment shows no next run while nothing serves it
+            _pause_by_name(dep_name)
+    return "stopped"

@@ -36,6 +36,8 @@ def cli_serve(args: Any) -> int:
     import os
     import sys
 
+    import httpx
+
     from clma.config import ConfigError, ScheduleConfig
     from clma.state import StateError
     from flows.serve import DEPLOYMENT_FLOW, resolve, serve_federation
@@ -59,9 +61,34 @@ def cli_serve(args: Any) -> int:
     except (ConfigError, StateError) as exc:
         print(f"clma serve: {exc}", file=sys.stderr)
         return 2
-    print(f"clma serve: deployment '{DEPLOYMENT_FLOW}/{args.name or cfg.name}', state {sdir}",
-          file=sys.stderr, flush=True)
-    serve_federation(None if args.config is None else str(args.config), str(sdir),
-                     name=args.name, cron=args.cron, interval_seconds=args.interval,
-                     rounds_per_run=args.rounds_per_run)
+    cron = args.cron if args.cron or args.interval else cfg.schedule.cron
+    interval = args.interval if args.cron or args.interval else cfg.schedule.interval_seconds
+    every = (f"cron {cron!r}" if cron else f"every {interval} s" if interval
+             else "no schedule: runs only when triggered")
+
+    def ready(dep_name: str, deployment_id: Any) -> None:
+        print(f"clma serve: serving deployment '{DEPLOYMENT_FLOW}/{dep_name}' ({every}; "
+              f"state {sdir}); SIGTERM or Ctrl-C stops it and pauses the schedule.\n"
+              f"clma serve: trigger a run now: prefect deployment run "
+              f"'{DEPLOYMENT_FLOW}/{dep_name}'", file=sys.stderr, flush=True)
+
+    try:
+        outcome = serve_federation(None if args.config is None else str(args.config),
+                                   str(sdir), name=args.name, cron=args.cron,
+                                   interval_seconds=args.interval,
+                                   rounds_per_run=args.rounds_per_run, on_ready=ready)
+    except (ConfigError, StateError, ValueError) as exc:  # ServeLocked names the holder
+        print(f"clma serve: {exc}", file=sys.stderr)
+        return 2
+    except httpx.HTTPError as exc:  # the Prefect API is down or refused us
+        print(f"clma serve: the Prefect API at {os.environ['PREFECT_API_URL']} cannot be "
+              f"reached ({type(exc).__name__}: {exc}); is the server running "
+              "(infra/prefect-server.sh status)?", file=sys.stderr)
+        return 2
+    if outcome == "complete":
+        print(f"clma serve: federation {cfg.name!r} is complete (all {cfg.rounds} rounds "
+              f"committed in {sdir}); nothing to serve, its deployment stays paused. To go "
+              "on, raise `rounds` in the config and serve again.", file=sys.stderr)
+        return 0
+    print("clma serve: stopped; the deployment is paused", file=sys.stderr)
     return 0

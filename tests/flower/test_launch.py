@@ -158,15 +158,17 @@ def test_clma_run_without_a_superlink_fails_naming_it(tmp_path):
         port = sock.getsockname()[1]
     cfg = tmp_path / "nolink.toml"
     cfg.write_text(LOCAL.read_text().replace("127.0.0.1:9093", f"127.0.0.1:{port}"))
+    (tmp_path / "tmp").mkdir()
     env = dict(os.environ, PREFECT_HOME=str(tmp_path / "ph"), FLWR_TELEMETRY_ENABLED="0",
-               FLWR_DISABLE_UPDATE_CHECK="1")
+               FLWR_DISABLE_UPDATE_CHECK="1", TMPDIR=str(tmp_path / "tmp"))
     r = subprocess.run([str(Path(sys.executable).with_name("clma")), "run", "--config", str(cfg),
                         "--out", str(tmp_path / "out"), "--quiet"], env=env, capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 2
     assert f"clma: flwr run on 127.0.0.1:{port} failed" in r.stderr
     assert "Connection to the SuperLink is unavailable" in r.stderr
-    assert not (tmp_path / "out" / "summary.json").exists()
+    assert not (tmp_path / "out").exists()  # no empty --out folder left behind
+    assert not [p.name for p in (tmp_path / "tmp").iterdir() if p.name.startswith("clma-")]
 
 
 def test_a_scheduled_run_on_the_flower_transport_submits_the_serverapp(tmp_path, monkeypatch):

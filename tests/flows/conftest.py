@@ -62,6 +62,30 @@ def prefect_server(tmp_path_factory):
         srv.stop()
 
 
+@dataclass(frozen=True)
+class LoggedPrefect:
+    """A Prefect server of its own: ``api`` URL and the server's ``log`` file."""
+
+    api: str
+    log: Path
+
+
+@pytest.fixture(scope="module")
+def own_prefect_server(tmp_path_factory):
+    """A Prefect server for one test module only (so its log holds only that module's
+    traffic), started with infra/prefect-server.sh as an operator would; yields
+    :class:`LoggedPrefect`."""
+    infra = tmp_path_factory.mktemp("infra-prefect-own")
+    port = free_port()
+    srv = Server("prefect-server.sh", _script_env(infra, CLMA_PREFECT_PORT=str(port)),
+                 f"http://127.0.0.1:{port}/api")
+    srv.start()
+    try:
+        yield LoggedPrefect(srv.url, infra / f"prefect-server-{port}.log")
+    finally:
+        srv.stop()
+
+
 @pytest.fixture(scope="session")
 def mlflow_server(tmp_path_factory):
     """An MLflow tracking server (SQLite store) on 127.0.0.1; yields its URL."""
