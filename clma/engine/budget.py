@@ -495,7 +495,7 @@ def charge_distributed(evaluator: PrivateEvaluator, budget: BudgetState,
     returns are carried by the round's sessions
     (:meth:`PrivateEvaluator.secure_sums`, ``unmask``). An entry with no group to form a
     session for (``groups`` empty) is charged nothing (``not_charged``). A group lost to
-    dropouts (or refused for unchanged models) after the charge stays charged: the
+    dropouts (or refused by the differencing rule) after the charge stays charged: the
     server learned nothing new of it, but the charge was made before the outcome was
     known and the ledger does not refund (listed as ``charged_not_released``).
 
@@ -619,7 +619,7 @@ def budgeted_evaluation(
 def _distributed_report(evaluator: PrivateEvaluator, ev: EvaluationRound,
                         charged: DistributedCharges, info: dict[str, Any]) -> None:
     """What the pre-aggregation charges came to: charged groups without a released sum
-    (lost to dropouts, refused for unchanged models: they stay charged, conservative) and
+    (lost to dropouts, refused by the differencing rule: they stay charged, conservative) and
     charged entries whose sums were not unmasked (and why)."""
     lost: dict[str, list[str]] = {}
     skipped: dict[str, str] = {}

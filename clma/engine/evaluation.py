@@ -33,14 +33,18 @@ participants (:func:`aggregation_groups`: a monitored group below the floor is a
 with the group of its named neighbour, as the partition file says), so the sets it learns
 are disjoint, each at or above the floor, and every difference of unions of them is a
 union of them. The global value is the sum of the group sums (post-processing), never a
-second secure sum over the same clients. Across rounds, two sums of one group over
-different survivor sets differ by the dropped clients' reports plus every other
-contributor's change of report; the change is zero only if the group's evaluated models
-(and layout) did not change, so a group whose models are unchanged since its last learned
-sum is not unmasked again over a different set of clients (status ``refused``,
-``unchanged_models``). Every set of clients whose sum the server learned is listed in
-:attr:`SecureSums.audit` (written to the server's state folder as
-``audit/secure_sums_round_NNN.json``, server-internal, never published).
+second secure sum over the same clients. Across rounds, group names, merges and splits, a
+client's report is the same unknown wherever it evaluated bit-identical parameters under
+the same layout: the server keeps every set it learned a sum over as ``(client, digest)``
+elements (:attr:`EvaluationState.learned`; digest of the layout version and the evaluated
+parameters, no cohort id or group name) and, before unmasking a new set, checks with
+:func:`clma.privacy.differencing.exposed_clients` that no linear combination of all of
+them and the new one isolates fewer than m clients; otherwise that session is refused
+(status ``refused``, reason ``differencing``) and the round goes on. The set is remembered
+when unmasking is allowed, before the sum is known. Every set of clients whose sum the
+server learned is listed in :attr:`SecureSums.audit` with its digests (``models``; written
+to the server's state folder as ``audit/secure_sums_round_NNN.json``, server-internal,
+never published).
 
 Cohort floor: ``m = max(config.evaluation.min_cohort, policy.evaluation.minimum_group_size)``
 (the envelope refuses a minimum group size below the policy floor, so a config asking for
@@ -84,6 +88,7 @@ from clma.engine.distributed import NOISED_METRICS, GroupNoise, group_noise
 from clma.engine.secure_sum import run_sessions
 from clma.engine.state import ServerState
 from clma.metrics import DeviceMetricLayout
+from clma.privacy.differencing import exposed_clients
 from clma.privacy.distributed import MECHANISM as DDG
 from clma.privacy.distributed import MECHANISM_VERSION as DDG_VERSION
 from clma.privacy.distributed import decode_sum
@@ -155,9 +160,10 @@ class EvaluationState(BaseModel):
         merges: monitoring-only region merges and below-floor streaks.
         bounds: metric name -> current versioned clip bounds.
         evaluations_done: number of evaluation rounds run so far.
-        last_sums: aggregation group -> digests (SHA-256) of the evaluated models and of
-            the contributor set of its last learned sum (the cross-round guard;
-            server-internal, never published).
+        learned: every set whose sum the server allowed to be unmasked, across rounds:
+            ``{"round", "group", "session", "models": {digest: [client ids]}}``
+            (the differencing rule's memory; server-internal, never published).
+        last_sums: read from folders written before ``learned`` existed; not used.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -166,7 +172,13 @@ class EvaluationState(BaseModel):
     merges: RegionMergeTracker
     bounds: dict[str, BoundsVersion]
     evaluations_done: int = Field(default=0, ge=0)
+    learned: list[dict[str, Any]] = Field(default_factory=list)
     last_sums: dict[str, dict[str, str]] = Field(default_factory=dict)
+
+    def learned_sets(self) -> list[set[tuple[int, str]]]:
+        """:attr:`learned` as sets of ``(client, digest)`` elements."""
+        return [{(int(c), d) for d, cs in e["models"].items() for c in cs}
+                for e in self.learned]
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
@@ -190,7 +202,7 @@ class GroupSum:
 
     ``status``: ``ok`` (sum available), ``below_floor`` (fewer than m selected or
     surviving clients: nothing released), ``aborted`` (fewer than t survivors: the group
-    is not evaluated this round), ``refused`` (unchanged models), ``not_unmasked``
+    is not evaluated this round), ``refused`` (the differencing rule), ``not_unmasked``
     (distributed mode: no noised release was charged, so no session was formed).
     ``sum`` is the de-quantised float64 ``(32,)`` sum over the contributors (None unless
     ok). ``noised`` (distributed mode): the metrics whose noisy sums the session carried
@@ -643,7 +655,9 @@ class PrivateEvaluator:
         name_of: dict[str, str] = {}
         thresholds: dict[str, int] = {}
         noise_of: dict[str, GroupNoise] = {}
-        model_digest: dict[str, str] = {}
+        # a client's report is one unknown per (layout, parameters): no cohort id, no name
+        param_digest = {int(k): _digest([layout.version.encode(), np.ascontiguousarray(
+            models[k], dtype="<f4").tobytes()]) for k in {int(assignments[c]) for c in ids}}
         for g, cs in sorted(clients_of.items()):
             if len(cs) < max(m, 2):
                 continue
@@ -661,18 +675,23 @@ class PrivateEvaluator:
                 gn = self.group_noise(len(cs), dim, metrics)
                 assert gn is not None
                 noise_of[g] = gn
-            cohorts = sorted({int(assignments[c]) for c in cs})
-            model_digest[g] = _digest([layout.version.encode()] + [
-                str(k).encode() + np.ascontiguousarray(models[k], dtype="<f4").tobytes()
-                for k in cohorts])
+
+        def by_digest(members: Collection[int]) -> dict[str, list[int]]:
+            out: dict[str, list[int]] = {}
+            for c in sorted(int(x) for x in members):
+                out.setdefault(param_digest[int(assignments[c])], []).append(c)
+            return out
+
+        known = state.learned_sets()
 
         def may_unmask(sid: str, survivors: frozenset[int]) -> str | None:
-            g = name_of[sid]
-            last = state.last_sums.get(g)
-            members = _digest([str(c).encode() for c in sorted(survivors)])
-            if last and last["models"] == model_digest[g] and last["clients"] != members:
-                return ("unchanged_models: the group's models are unchanged since its last "
-                        "sum; a different contributor set would expose a difference")
+            new = {(int(c), param_digest[int(assignments[c])]) for c in survivors}
+            if exposed_clients([*known, new], m) is not None:
+                return ("differencing: with the sums learned before, a linear combination "
+                        "would isolate fewer than the floor's clients")
+            known.append(new)  # remembered before the sum is known (write-ahead)
+            state.learned.append({"round": int(round_number), "group": name_of[sid],
+                                  "session": sid, "models": by_digest(survivors)})
             return None
 
         results = {}
@@ -704,10 +723,8 @@ class PrivateEvaluator:
             drop += len(res.dropped)
             if res.summed is not None:
                 audit.append({"group": g, "session": res.session_id,
-                              "clients": sorted(res.summed), "status": res.status})
-                state.last_sums[g] = {
-                    "models": model_digest[g],
-                    "clients": _digest([str(c).encode() for c in sorted(res.summed)])}
+                              "clients": sorted(res.summed), "status": res.status,
+                              "models": by_digest(res.summed)})
             t = thresholds[g]
             if res.status != "ok":
                 out[g] = GroupSum(g, groups[g], n, len(res.dropped), res.status, threshold=t)
@@ -1000,8 +1017,9 @@ class PrivateEvaluator:
         reasons = {
             "aborted": "secure aggregation aborted: fewer than t survivors; region not "
                        "evaluated this round",
-            "refused": "unchanged models since the group's last sum: not summed again over a "
-                       "different set of clients",
+            "refused": "differencing: with the sums learned before (same parameters), this "
+                       "set would let a combination isolate fewer than the floor's clients; "
+                       "not summed",
         }
         not_evaluated = {g: reasons[gs.status] for g, gs in sums.groups.items()
                          if gs.status in reasons}

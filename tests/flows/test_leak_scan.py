@@ -157,3 +157,11 @@ def test_the_audit_record_of_the_run_keeps_the_rule(run):
                     assert len(b - a) >= m
                 elif a is not b and a != b:
                     assert not a & b
+    # the rule across rounds, from the records alone (docs/private_evaluation.md)
+    from clma.privacy.differencing import exposed_clients
+
+    learned = [{(c, d) for d, cs in e["models"].items() for c in cs}
+               for f in files for e in json.loads(f.read_text())["secure_sums"]]
+    assert all(sorted(c for cs in e["models"].values() for c in cs) == e["clients"]
+               for f in files for e in json.loads(f.read_text())["secure_sums"])
+    assert exposed_clients(learned, m) is None

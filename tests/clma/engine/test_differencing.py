@@ -12,6 +12,8 @@ import itertools
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from clma.config import validate_config
 from clma.engine import FederationEngine
@@ -124,3 +126,108 @@ def test_unchanged_models_are_not_summed_again_over_another_set(monkeypatch):
     others = [a for a in second.audit]
     assert all(set(a["clients"]) == set(b["clients"]) for a in others for b in first.audit
                if a["group"] == b["group"])
+
+
+def _learned_elements(audits) -> list[set]:
+    return [{(c, d) for d, cs in a["models"].items() for c in cs} for a in audits]
+
+
+def _trained_round(clients: int = 40):
+    engine, sim = _engine(0.0, clients)
+    ctx = engine.begin_round(1)
+    engine.accept(ctx, [engine.train(ctx)])
+    engine.after_training(ctx)
+    reg = engine.state.registry
+    assignments = {c: int(reg.cohort_of(c)) for c in ctx.participants}
+    return engine, ctx, assignments
+
+
+def test_a_group_renamed_by_a_merge_is_not_a_way_around_the_floor():
+    """Review case 1: region g at exactly m clients is summed alone; later, one of its
+    clients missing, g falls below the floor and is merged with its neighbour under a new
+    name. With unchanged models, g + neighbour - merged is that one client's report: the
+    merged session is refused, and the learned sets keep the rule."""
+    from clma.privacy.differencing import exposed_clients
+
+    engine, ctx, assignments = _trained_round()
+    ev, m = engine.evaluator, engine.evaluator.min_cohort
+    region_of = engine.region_of
+    by_region: dict[str, list[int]] = {}
+    for c in sorted(ctx.participants):
+        by_region.setdefault(region_of[c], []).append(c)
+    g = next(r for r, cs in sorted(by_region.items()) if len(cs) >= m and r != "islands")
+    first_ids = [c for c in ctx.participants if region_of[c] != g] + by_region[g][:m]
+    models = engine.state.cohort_models
+    first = ev.secure_sums(engine.clients, 1, first_ids, region_of, assignments, models)
+    assert first.groups[g].status == "ok" and first.groups[g].contributors == m
+    second_ids = [c for c in first_ids if c != by_region[g][0]]  # one client missing
+    second = ev.secure_sums(engine.clients, 1, second_ids, region_of, assignments, models)
+    merged = next(name for name in second.groups if g in name.split("+") and "+" in name)
+    assert second.groups[merged].status == "refused"
+    assert all(a["group"] != merged for a in second.audit)
+    learned = _learned_elements(first.audit + second.audit)
+    assert exposed_clients(learned, m) is None
+
+
+def test_identical_parameters_under_a_new_cohort_id_are_the_same_unknowns():
+    """Review case 2: a split while training is backed off gives a new cohort bit-identical
+    parameters; the cohort id must not make them count as changed. One client fewer over
+    the same parameters is refused."""
+    from clma.privacy.differencing import exposed_clients
+
+    engine, ctx, assignments = _trained_round()
+    ev, m = engine.evaluator, engine.evaluator.min_cohort
+    models = dict(engine.state.cohort_models)
+    first = ev.secure_sums(engine.clients, 1, ctx.participants, engine.region_of,
+                           assignments, models)
+    victim = sorted(first.audit, key=lambda a: (-len(a["clients"]), a["group"]))[0]
+    moved = victim["clients"][1:3]
+    (k,) = {assignments[c] for c in victim["clients"]}
+    new_id = max(models) + 7
+    models[new_id] = models[k].copy()  # the new cohort starts from the source model
+    split = {**assignments, **{c: new_id for c in moved}}
+    ids = [c for c in ctx.participants if c != victim["clients"][0]]
+    second = ev.secure_sums(engine.clients, 1, ids, engine.region_of, split, models)
+    assert second.groups[victim["group"]].status == "refused"
+    learned = _learned_elements(first.audit + second.audit)
+    assert exposed_clients(learned, m) is None
+    # the audit names the digests: the new cohort's clients carry the source's digest
+    (digest,) = {d for d, cs in victim["models"].items()}
+    assert set(victim["models"][digest]) == set(victim["clients"])
+
+
+_ENGINE_CACHE: dict[str, tuple] = {}
+
+
+@settings(max_examples=20, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_random_participation_and_dropouts_never_admit_a_sum_below_the_floor(data, monkeypatch):
+    """Unchanged parameters (the worst case: every sum is over the same unknowns), three
+    secure aggregations over random participants, random dropouts and random models per
+    cohort id: the learned sets, read back from the audit records alone, keep the rule."""
+    import clma.sim.clients as sc
+    from clma.privacy.differencing import exposed_clients
+
+    if "e" not in _ENGINE_CACHE:
+        _ENGINE_CACHE["e"] = _trained_round()
+    engine, ctx, assignments = _ENGINE_CACHE["e"]
+    ev, m = engine.evaluator, engine.evaluator.min_cohort
+    ev.state.learned.clear()  # each example starts with an empty memory
+    ids = sorted(ctx.participants)
+    models = dict(engine.state.cohort_models)
+    (k,) = set(models) if len(models) == 1 else (min(models),)
+    audits = []
+    for _ in range(3):
+        part = data.draw(st.lists(st.sampled_from(ids), min_size=m, unique=True), "part")
+        drop = data.draw(st.sets(st.sampled_from(part), max_size=3), "drop")
+        # a split under a new id with the same parameters, for some clients
+        renamed = data.draw(st.sets(st.sampled_from(part), max_size=6), "renamed")
+        ms = {**models, k + 100: models[k].copy()}
+        asg = {**assignments, **{c: k + 100 for c in renamed if assignments[c] == k}}
+        monkeypatch.setattr(sc, "simulated_dropouts",
+                            lambda seed, rate, ids, r, d=drop: {c: "masked_input" for c in d
+                                                                if c in ids})
+        out = ev.secure_sums(engine.clients, 1, sorted(part), engine.region_of, asg, ms)
+        audits += out.audit
+    assert exposed_clients(_learned_elements(audits), m) is None

@@ -269,7 +269,7 @@ def test_a_release_refused_by_the_cap_is_never_unmasked(
         assert gs.status == "not_unmasked"
         assert gs.sum is None and gs.sum_quantised is None and gs.contributors == 0
     assert sums.groups["global"].status == "below_floor" and sums.groups["global"].sum is None
-    assert out.audit == [] and engine.evaluator.state.last_sums == {}
+    assert out.audit == [] and engine.evaluator.state.learned == []
     assert not [k for k in out.server if k.split("|")[0] in ("accuracy", "mean_loss")]
     assert out.published["metrics"]["accuracy"]["regions"] == {}
     assert out.published["metrics"]["accuracy"]["global"] is None
