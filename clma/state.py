@@ -15,8 +15,13 @@ A state directory holds one federation::
                                     dashboards, per-round records)
       progress.json                 last round started (operators, tests)
       audit/secure_sums_round_NNN.json  every set of clients whose secure sum the server
-                                    learned in round NNN (server-internal; checkable rule:
-                                    each set and each difference of nested sets >= floor)
+                                    learned in round NNN, with the digests of the
+                                    parameters evaluated (server-internal; a re-run adds
+                                    to it, never replaces it)
+      audit/learned_sums.jsonl      write-ahead journal of the differencing rule: one line
+                                    per set, appended and fsync'ed BEFORE the server
+                                    unmasks its sum; never rewritten (a crash between the
+                                    sums and the commit loses nothing)
       ledger/                       the privacy ledger (its own transactional SQLite store)
       .lock                         flock: one flow run at a time per state directory
       serve.lock                    flock: one ``clma serve`` per state directory; holds
@@ -352,19 +357,63 @@ class StateStore:
         os.replace(tmp, self.root / "progress.json")
 
     def write_audit(self, round_number: int, sums: list[dict[str, Any]]) -> Path:
-        """Write ``audit/secure_sums_round_NNN.json`` (atomically; a re-run replaces it).
+        """Write ``audit/secure_sums_round_NNN.json`` atomically. A re-run of the round
+        (after a crash before its commit) adds its entries to those already there: what
+        the server learned in an attempt is never dropped from the record.
 
-        ``sums``: ``[{"group", "session", "clients": [ids], "status"}]``.
+        ``sums``: ``[{"group", "session", "clients": [ids], "status", "models"}]``.
         """
         folder = self.root / "audit"
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / f"secure_sums_round_{int(round_number):03d}.json"
         tmp = folder / f".{path.name}.tmp-{os.getpid()}"
+        try:
+            earlier = json.loads(path.read_text("utf-8"))["secure_sums"]
+        except (OSError, ValueError, KeyError, TypeError):
+            earlier = []
+        seen = {json.dumps(e, sort_keys=True) for e in earlier}
+        merged = list(earlier) + [e for e in sums if json.dumps(e, sort_keys=True) not in seen]
         doc = {"schema": "clma.audit.secure_sums/1", "round": int(round_number),
-               "secure_sums": list(sums)}
+               "secure_sums": merged}
         _write_synced(tmp, (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode())
         os.replace(tmp, path)
         return path
+
+    def append_learned(self, entry: Mapping[str, Any]) -> None:
+        """Append one learned set to ``audit/learned_sums.jsonl`` and fsync it (the
+        differencing rule's write-ahead journal; called before the sum is unmasked).
+        Raises OSError when it cannot be made durable (the caller then refuses)."""
+        folder = self.root / "audit"
+        fresh = not folder.exists()
+        folder.mkdir(parents=True, exist_ok=True)
+        if fresh:
+            _fsync_dir(self.root)
+        path = folder / "learned_sums.jsonl"
+        new_file = not path.exists()
+        line = (json.dumps(dict(entry), sort_keys=True) + "\n").encode()
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            os.write(fd, line)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        if new_file:
+            _fsync_dir(folder)
+
+    def learned_entries(self) -> list[dict[str, Any]]:
+        """The journal's entries (:meth:`append_learned`), oldest first; a torn last line
+        (a crash while appending, before the sum was unmasked) is skipped."""
+        try:
+            lines = (self.root / "audit" / "learned_sums.jsonl").read_text("utf-8")
+        except OSError:
+            return []
+        out = []
+        for line in lines.splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue
+        return out
 
     def progress(self) -> dict[str, Any] | None:
         p = self.root / "progress.json"

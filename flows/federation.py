@@ -400,7 +400,7 @@ def federation_flow(
                 str(Path(out_dir) / LEDGER_SUBDIR) if out_dir else None))
         engine = FederationEngine(config, transport.assets, transport.clients, budget=budget,
                                   state=session.restore_state())
-        session.engine = engine
+        session.attach_engine(engine)  # the differencing rule's write-ahead journal
         first_round = engine.state.rounds_done + 1
         prefect_id = str(flow_run.id) if flow_run.id else None
         if config.tracking.enabled:

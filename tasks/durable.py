@@ -222,6 +222,15 @@ class FederationSession:
                 self.renderer.submit_job(warm_up_export)
         return self
 
+    def attach_engine(self, engine: Any) -> None:
+        """``engine`` runs this federation's rounds: with a state folder, the differencing
+        rule's memory is kept in its write-ahead journal (``audit/learned_sums.jsonl``),
+        including sets learned by an attempt that crashed before its commit."""
+        self.engine = engine
+        if self.store is not None:
+            engine.evaluator.attach_journal(self.store.append_learned,
+                                            self.store.learned_entries())
+
     def restore_state(self) -> Any:
         """The server state committed in the state dir (None for a fresh federation).
 

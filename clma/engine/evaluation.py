@@ -41,7 +41,9 @@ parameters, no cohort id or group name) and, before unmasking a new set, checks 
 :func:`clma.privacy.differencing.exposed_clients` that no linear combination of all of
 them and the new one isolates fewer than m clients; otherwise that session is refused
 (status ``refused``, reason ``differencing``) and the round goes on. The set is remembered
-when unmasking is allowed, before the sum is known. Every set of clients whose sum the
+when unmasking is allowed, before the sum is known; with a state folder it is first made
+durable in a write-ahead journal (:meth:`PrivateEvaluator.attach_journal`), so a crash
+before the round's commit forgets nothing. Every set of clients whose sum the
 server learned is listed in :attr:`SecureSums.audit` with its digests (``models``; written
 to the server's state folder as ``audit/secure_sums_round_NNN.json``, server-internal,
 never published).
@@ -72,9 +74,10 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import math
 import secrets
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -458,6 +461,26 @@ class PrivateEvaluator:
         self.partition = partition
         self.policy = policy
         self.server_state = state
+        #: ``entry -> None``: makes a learned set durable before its sum is unmasked
+        #: (:meth:`attach_journal`); raising refuses the session. None: memory only.
+        self.on_learned: Callable[[Mapping[str, Any]], None] | None = None
+
+    def attach_journal(self, append: Callable[[Mapping[str, Any]], None],
+                       entries: Sequence[Mapping[str, Any]]) -> int:
+        """Keep the differencing rule's memory in a write-ahead journal: ``entries``
+        (what the journal holds, e.g. sets learned in an attempt that crashed before its
+        commit) join :attr:`EvaluationState.learned`, and every new set is passed to
+        ``append`` before its sum is unmasked. Returns the number of entries added."""
+        have = {json.dumps(e, sort_keys=True) for e in self.state.learned}
+        added = 0
+        for e in entries:
+            key = json.dumps(dict(e), sort_keys=True)
+            if key not in have:
+                have.add(key)
+                self.state.learned.append(dict(e))
+                added += 1
+        self.on_learned = append
+        return added
 
     # ---------------------------------------------------------------- state
     @property
@@ -689,9 +712,15 @@ class PrivateEvaluator:
             if exposed_clients([*known, new], m) is not None:
                 return ("differencing: with the sums learned before, a linear combination "
                         "would isolate fewer than the floor's clients")
-            known.append(new)  # remembered before the sum is known (write-ahead)
-            state.learned.append({"round": int(round_number), "group": name_of[sid],
-                                  "session": sid, "models": by_digest(survivors)})
+            entry = {"round": int(round_number), "group": name_of[sid], "session": sid,
+                     "models": by_digest(survivors)}
+            if self.on_learned is not None:
+                try:  # durable before the sum is known (write-ahead)
+                    self.on_learned(entry)
+                except OSError:
+                    return "journal: the learned set could not be recorded durably"
+            known.append(new)
+            state.learned.append(entry)
             return None
 
         results = {}

@@ -19,15 +19,13 @@ Computation (exact, rational arithmetic):
 1. *Atoms*: elements grouped by the sets that contain them. Every vector of the span is
    constant on atoms, so the question is one about the atom-incidence matrix ``A`` (sets x
    atoms, 0/1).
-2. A vector of the row space of ``A`` supported inside a set ``T`` of atoms exists iff
-   ``rank(A[:, not T]) < rank(A)``, iff the rows of a null-space basis ``K`` of ``A``
-   indexed by ``T`` are linearly dependent (``rank(A) - rank(A[:, not T]) = |T| -
-   rank(K_T)``). A zero row of ``K`` is an atom isolated on its own; two parallel rows
-   are two atoms whose difference (or sum) is learned; and so on.
-3. Only atoms with fewer than m clients matter, and only sets ``T`` of them with fewer
-   than m clients in total. If the rows of ``K`` of all such small atoms are independent,
-   no subset is dependent and the rule holds (the common case: one rank computation);
-   otherwise the smallest dependent subsets are searched.
+2. Only atoms with fewer than m clients ("small") can be in a bad support. ``W``, the
+   vectors of the row space of ``A`` supported on small atoms alone, is ``{y^T A :
+   y^T A[:, large] = 0}``: computed from a basis of the left null space of the large
+   atoms' columns. ``W = 0`` (the common case) means the rule holds.
+3. Otherwise a vector of ``W`` supported inside a set ``T`` of small atoms exists iff
+   ``rank(W[:, not T]) < dim W``; the sets ``T`` with fewer than m clients are searched
+   among the atoms some vector of ``W`` touches, smallest first.
 
 Sets that share no element are independent problems (connected components).
 """
@@ -35,6 +33,7 @@ Sets that share no element are independent problems (connected components).
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Collection, Hashable, Iterable, Sequence
 from fractions import Fraction
 
@@ -66,8 +65,36 @@ def _rref(rows: list[list[Fraction]], ncols: int) -> tuple[list[list[Fraction]],
     return m[:r], pivots
 
 
-def _rank(rows: list[list[Fraction]], ncols: int) -> int:
-    return len(_rref(rows, ncols)[1])
+def _rank(rows: list[list[int]], ncols: int) -> int:
+    """Exact rank of an integer matrix (fraction-free elimination, Python integers)."""
+    m = [list(r) for r in rows if any(r)]
+    rank = 0
+    for c in range(ncols):
+        p = next((i for i in range(rank, len(m)) if m[i][c] != 0), None)
+        if p is None:
+            continue
+        m[rank], m[p] = m[p], m[rank]
+        piv = m[rank]
+        for i in range(rank + 1, len(m)):
+            f = m[i][c]
+            if f:
+                m[i] = [piv[c] * a - f * b for a, b in zip(m[i], piv, strict=True)]
+                g = math.gcd(*m[i])
+                if g > 1:
+                    m[i] = [v // g for v in m[i]]
+        rank += 1
+        if rank == len(m):
+            break
+    return rank
+
+
+def _integer_rows(rows: list[list[Fraction]]) -> list[list[int]]:
+    """Each row times the lcm of its denominators (the same rank, integer entries)."""
+    out = []
+    for r in rows:
+        scale = math.lcm(*(v.denominator for v in r)) if r else 1
+        out.append([int(v * scale) for v in r])
+    return out
 
 
 def _null_basis_rows(incidence: list[list[int]], n_atoms: int) -> list[list[Fraction]]:
@@ -119,16 +146,29 @@ def _exposed_in(sets: Sequence[frozenset[Element]], m: int) -> frozenset[int] | 
     small = [j for j, cs in enumerate(clients) if len(cs) < m]
     if not small:
         return None
-    incidence = [[1 if i in keys[j] else 0 for j in range(len(keys))] for i in range(len(sets))]
-    k = _null_basis_rows(incidence, len(keys))
-    width = len(k[0]) if k else 0
-    if _rank([k[j] for j in small], width) == len(small):
-        return None  # the small atoms' rows are independent: no subset is dependent
+    large = [j for j in range(len(keys)) if j not in set(small)]
+    # W: the vectors of the row space supported on small atoms only, y^T A with
+    # y^T A[:, large] = 0 (y in the left null space of the large atoms' columns)
+    col = [[1 if i in keys[j] else 0 for i in range(len(sets))] for j in large]
+    y = _null_basis_rows(col, len(sets)) if col else [
+        [Fraction(int(i == t)) for t in range(len(sets))] for i in range(len(sets))]
+    width = len(y[0]) if y else 0
+    w_rows = [[sum((y[i][t] for i in range(len(sets)) if i in keys[j]), Fraction(0))
+               for j in small] for t in range(width)]
+    w_frac, _ = _rref(w_rows, len(small))
+    w = _integer_rows(w_frac)
+    d = len(w)
+    if d == 0:
+        return None  # no combination lives on the small atoms alone
+    support = [x for x in range(len(small)) if any(r[x] != 0 for r in w)]
     for size in range(1, m):
-        for combo in itertools.combinations(small, size):
-            who = frozenset().union(*(clients[j] for j in combo))
-            if len(who) < m and _rank([k[j] for j in combo], width) < size:
-                return who
+        for combo in itertools.combinations(support, size):
+            who = frozenset().union(*(clients[small[x]] for x in combo))
+            if len(who) >= m:
+                continue
+            rest = [x for x in range(len(small)) if x not in combo]
+            if _rank([[r[x] for x in rest] for r in w], len(rest)) < d:
+                return who  # some vector of W vanishes outside combo
     return None
 
 

@@ -231,3 +231,95 @@ def test_random_participation_and_dropouts_never_admit_a_sum_below_the_floor(dat
         out = ev.secure_sums(engine.clients, 1, sorted(part), engine.region_of, asg, ms)
         audits += out.audit
     assert exposed_clients(_learned_elements(audits), m) is None
+
+
+def test_a_crash_between_the_sums_and_the_commit_keeps_the_memory(tmp_path):
+    """Review case 3: the sets are journalled (fsync'ed) before unmasking, so a resume
+    from the last commit still knows them; without the journal it would not."""
+    from clma.engine.evaluation import EvaluationState
+    from clma.state import StateStore
+
+    engine, ctx, assignments = _trained_round()
+    ev = engine.evaluator
+    committed = ev.state.to_dict()  # what the last commit holds (before this round's sums)
+    store = StateStore(tmp_path / "st")
+    assert ev.attach_journal(store.append_learned, store.learned_entries()) == 0
+    models = engine.state.cohort_models
+    first = ev.secure_sums(engine.clients, 1, ctx.participants, engine.region_of,
+                           assignments, models)
+    journal = store.learned_entries()
+    assert [(e["group"], sorted(c for cs in e["models"].values() for c in cs))
+            for e in journal] == [(a["group"], a["clients"]) for a in first.audit]
+    victim = sorted(first.audit, key=lambda a: a["group"])[0]
+    fewer = [c for c in ctx.participants if c != victim["clients"][0]]
+
+    def resumed(with_journal: bool):
+        ev.server_state.evaluation = EvaluationState.from_dict(committed)  # the crash
+        ev.on_learned = None
+        if with_journal:
+            assert ev.attach_journal(store.append_learned, store.learned_entries()) == \
+                len(journal)
+        return ev.secure_sums(engine.clients, 1, fewer, engine.region_of, assignments,
+                              models)
+
+    assert resumed(with_journal=False).groups[victim["group"]].status == "ok"  # the hole
+    again = resumed(with_journal=True)
+    assert again.groups[victim["group"]].status == "refused"
+    # the journal only grows: the first attempt's lines are all still there
+    assert store.learned_entries()[:len(journal)] == journal
+
+
+def test_the_round_audit_file_keeps_what_an_earlier_attempt_learned(tmp_path):
+    from clma.state import StateStore
+
+    store = StateStore(tmp_path / "st")
+    a = {"group": "north", "session": "s1", "clients": [1, 2], "status": "ok",
+         "models": {"d": [1, 2]}}
+    b = {**a, "session": "s2", "clients": [1], "models": {"d": [1]}}
+    store.write_audit(4, [a])
+    path = store.write_audit(4, [b, a])  # the re-run of round 4
+    import json
+
+    assert json.loads(path.read_text())["secure_sums"] == [a, b]
+
+
+@pytest.mark.slow
+def test_the_production_policy_with_training_backed_off_keeps_the_rule():
+    """The review's end-to-end setting: privacy_policy_v3 (the default policy), DP-FedAvg
+    with noise multiplier 1, participation 0.5, no drift, 10 % dropouts, evaluation every
+    round. The training line runs out after two rounds, training backs off and the models
+    stay bit-identical: every later sum is over the same unknowns. Everything learned, as
+    the audit records and the server's memory show it, keeps the rule."""
+    from clma.engine import open_budget
+    from clma.privacy.differencing import exposed_clients
+
+    cfg = validate_config({
+        "name": "diff-e2e", "seed": 2, "rounds": 8, "clients": 60,
+        "data": {"probe_size": 32}, "tracking": {"enabled": False},
+        "divergence": {"enabled": False}, "drift": {"events": []},
+        "training": {"local_epochs": 1, "participation": 0.5,
+                     "dp": {"enabled": True, "noise_multiplier": 1.0, "noise_seeded": True}},
+        "evaluation": {"min_cohort": 5, "dropout_rate": 0.1, "noise_seeded": True,
+                       "every": 1},
+        "testing": {"allow_seeded_noise_not_private": True},
+    })
+    assert cfg.budget.policy is None  # the shipped production policy
+    sim = build_federation(cfg)
+    budget = open_budget(cfg)
+    engine = FederationEngine(cfg, sim.assets(), SimulatedClients(sim), budget=budget)
+    audits, unchanged = [], []
+    try:
+        for r in range(1, 9):
+            before = {k: v.tobytes() for k, v in engine.state.cohort_models.items()}
+            res = engine.run_round(r)
+            unchanged.append(before == {k: v.tobytes()
+                                        for k, v in engine.state.cohort_models.items()})
+            audits += [dict(a, round=r) for a in res.evaluation.audit]
+    finally:
+        budget.close()
+    assert unchanged[:2] == [False, False] and all(unchanged[2:])  # backed off from round 3
+    later = [a for a in audits if a["round"] >= 3]
+    assert len({a["round"] for a in later}) >= 4  # sums over unchanged models, many rounds
+    m = engine.evaluator.min_cohort
+    assert exposed_clients(_learned_elements(audits), m) is None
+    assert exposed_clients(engine.evaluator.state.learned_sets(), m) is None
