@@ -102,10 +102,28 @@ class DataConfig(_Strict):
         default=None,
         description="Path to a region partition TOML file; None = the bundled regions_v1.toml.",
     )
+    source: str | None = Field(
+        default=None,
+        description="The user's own data: 'package.module:function' returning (features "
+        "float32 (N, ...), labels int (N,)); divided among the clients like the built-in "
+        "data sets (clma/datasets/source.py). None = data.dataset.",
+    )
+
+    @field_validator("source")
+    @classmethod
+    def _source_imports(cls, v: str | None) -> str | None:
+        if v is not None:
+            from clma.models.factory import import_callable
+
+            try:
+                import_callable(v, "data.source")
+            except ValueError as exc:  # the location already names the field
+                raise ValueError(str(exc).removeprefix("data.source: ")) from None
+        return v
 
     @model_validator(mode="after")
     def _data_dir_needed(self) -> DataConfig:
-        if self.dataset != "digits" and not self.data_dir:
+        if self.source is None and self.dataset != "digits" and not self.data_dir:
             raise ValueError(f"data.data_dir is required when data.dataset is '{self.dataset}'")
         return self
 
@@ -176,11 +194,29 @@ class DriftConfig(_Strict):
 
 
 class ModelConfig(_Strict):
-    """A small ReLU multilayer perceptron."""
+    """The federation's model: the built-in ReLU multilayer perceptron (``hidden``), or the
+    user's own torch model from ``factory``."""
 
     hidden: list[Annotated[int, Field(gt=0, le=4096)]] = Field(
         default_factory=lambda: [64, 32], min_length=1, max_length=8
     )
+    factory: str | None = Field(
+        default=None,
+        description="The user's own model: 'package.module:function' returning a "
+        "torch.nn.Module (clma/models/factory.py); None = the built-in MLP of 'hidden'.",
+    )
+
+    @field_validator("factory")
+    @classmethod
+    def _factory_imports(cls, v: str | None) -> str | None:
+        if v is not None:
+            from clma.models.factory import import_callable
+
+            try:
+                import_callable(v, "model.factory")
+            except ValueError as exc:  # the location already names the field
+                raise ValueError(str(exc).removeprefix("model.factory: ")) from None
+        return v
 
 
 class DPFedAvgConfig(_Strict):
@@ -677,6 +713,8 @@ CONFIG_ADDITIONS: tuple[tuple[str, Any], ...] = (
     ("cohort.leading_split_min_size", 5),
     ("training.server_learning_rate", 1.0),
     ("training.server_learning_rate_scope", "all"),
+    ("model.factory", None),
+    ("data.source", None),
 )
 
 def config_hash(data: Mapping[str, Any]) -> str:
@@ -781,6 +819,12 @@ class FederationConfig(_Strict):
                              "'flower'")
         if self.transport == "flower":
             fl = self.flower
+            for name, value in (("model.factory", self.model.factory),
+                                ("data.source", self.data.source)):
+                if value is not None:
+                    raise ValueError(f"{name}: the user's own model and data run in the "
+                                     "simulation (in-process or dask) for now; on Flower "
+                                     "SuperNodes the devices use the built-in model and data")
             if fl.node_count is not None and fl.node_count > self.clients:
                 raise ValueError(f"federation.flower.node_count: at most 'clients' "
                                  f"({self.clients}); each node is one client (its partition id)")

@@ -39,7 +39,9 @@ class DatasetError(ValueError):
 
 @dataclass(frozen=True)
 class Dataset:
-    """Images ``(n, c, h, w)`` float32 in [0, 1] and labels ``(n,)`` int64."""
+    """Features ``(n, ...)`` float32 and labels ``(n,)`` int64: the built-in data sets
+    are images ``(n, c, h, w)`` in [0, 1]; a user's source (:mod:`clma.datasets`) may be
+    any shape with a sample axis first."""
 
     images: np.ndarray
     labels: np.ndarray
@@ -47,8 +49,8 @@ class Dataset:
     name: str
 
     def __post_init__(self) -> None:
-        if self.images.ndim != 4:
-            raise DatasetError("images must have shape (n, channels, height, width)")
+        if self.images.ndim < 2:
+            raise DatasetError("features must have shape (n, ...) with a feature axis")
         if self.labels.shape != (self.images.shape[0],):
             raise DatasetError("labels must have shape (n,) matching images")
 

@@ -17,11 +17,13 @@ Everything is seeded: the same config gives the same clients, training and numbe
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from clma.config import FederationConfig
 from clma.engine.state import ServerAssets
+from clma.models.factory import FactoryModelSpec
 from clma.params import model_to_vector
 from clma.regions import PartitionError, RegionPartition, load_partition
 from clma.sim.data import Dataset, DatasetError, holdout_split, load_dataset
@@ -90,7 +92,7 @@ class SimulatedFederation:
     """The simulated world of a federation (module docstring)."""
 
     config: FederationConfig
-    spec: MLPSpec
+    spec: ModelSpec
     clients: dict[int, SimClient]
     partition: RegionPartition
     test_x: np.ndarray
@@ -148,6 +150,50 @@ class SimulatedFederation:
         return sorted(c for c in self.clients if not self.drifts_for(c, round_number))
 
 
+def check_model_on_features(model: Any, features: np.ndarray, n_classes: int, *,
+                            needs_relu: bool = True) -> None:
+    """The start-up check of a user's model: one forward pass on ``features`` (the probe
+    set) must give ``(P, n_classes)`` finite outputs; with divergence scoring on, the
+    forward pass must call at least one ``nn.ReLU`` module.
+
+    Raises:
+        ValueError: ``model.factory``: the model rejects the features (the error's type
+            and message, the features' shape), its output has the wrong shape or width,
+            or it has no ``nn.ReLU`` layer to read.
+    """
+    import torch
+
+    calls: list[int] = []
+    hooks = [m.register_forward_hook(lambda *_: calls.append(1))
+             for m in model.modules() if isinstance(m, torch.nn.ReLU)]
+    try:
+        model.eval()
+        with torch.no_grad():
+            out = model(torch.from_numpy(np.ascontiguousarray(features)))
+    except Exception as exc:  # noqa: BLE001 (user code)
+        raise ValueError(f"model.factory: the model rejects the features of shape "
+                         f"{tuple(features.shape[1:])} per sample ({type(exc).__name__}: "
+                         f"{exc})") from None
+    finally:
+        for h in hooks:
+            h.remove()
+    if not isinstance(out, torch.Tensor) or out.ndim != 2 or out.shape[0] != len(features):
+        shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ValueError(f"model.factory: the model must return logits of shape (N, classes) "
+                         f"(got {shape} for N = {len(features)})")
+    if out.shape[1] != n_classes:
+        raise ValueError(f"model.factory: the model's output width {out.shape[1]} does not "
+                         f"match the data's {n_classes} classes")
+    if needs_relu and not calls:
+        raise ValueError("model.factory: divergence scoring reads nn.ReLU modules and the "
+                         "model's forward pass calls none (use nn.ReLU modules, or set "
+                         "divergence.enabled = false)")
+
+
+#: The architecture of a simulated federation: the built-in MLP or the user's factory.
+ModelSpec = MLPSpec | FactoryModelSpec
+
+
 def build_federation(config: FederationConfig) -> SimulatedFederation:
     """Build the simulated federation described by ``config`` (deterministic in its seed).
 
@@ -155,10 +201,15 @@ def build_federation(config: FederationConfig) -> SimulatedFederation:
     :class:`clma.regions.PartitionError` (prefixed ``data.region_partition:``) or
     ValueError naming the field when the data cannot host the configured clients.
     """
-    try:
-        dataset: Dataset = load_dataset(config.data.dataset, config.data.data_dir)
-    except DatasetError as exc:
-        raise DatasetError(f"data.data_dir: {exc}") from None
+    if config.data.source is not None:
+        from clma.datasets import load_source
+
+        dataset: Dataset = load_source(config.data.source)
+    else:
+        try:
+            dataset = load_dataset(config.data.dataset, config.data.data_dir)
+        except DatasetError as exc:
+            raise DatasetError(f"data.data_dir: {exc}") from None
     split = holdout_split(
         dataset.labels,
         holdout_fraction=config.data.holdout_fraction,
@@ -198,10 +249,19 @@ def build_federation(config: FederationConfig) -> SimulatedFederation:
                 f"drift.events[{i}].shift: a rotation by a multiple of the number of classes "
                 f"({dataset.n_classes}) changes no label"
             )
-    spec = MLPSpec(dataset.n_features, tuple(config.model.hidden), dataset.n_classes)
+        if ev.kind != "label_rotation" and dataset.images.ndim != 4:
+            raise ValueError(f"drift.events[{i}].kind: {ev.kind!r} drifts images; the "
+                             "features of data.source are not images (N, C, H, W)")
+    spec: ModelSpec = (FactoryModelSpec(config.model.factory) if config.model.factory
+                       else MLPSpec(dataset.n_features, tuple(config.model.hidden),
+                                    dataset.n_classes))
     from clma.params import AllParams
 
-    initial = model_to_vector(spec.build(seed=config.seed), AllParams())
+    model = spec.build(seed=config.seed)
+    if config.model.factory:
+        check_model_on_features(model, dataset.images[split.probe], dataset.n_classes,
+                                needs_relu=config.divergence.enabled)
+    initial = model_to_vector(model, AllParams())
     return SimulatedFederation(
         config=config,
         spec=spec,

@@ -207,8 +207,9 @@ def test_load_dataset_dispatch_errors():
 
 
 def test_dataset_shape_checks_and_subset():
-    with pytest.raises(DatasetError, match="channels"):
-        Dataset(np.zeros((2, 8, 8), np.float32), np.zeros(2, np.int64), 10, "x")
+    with pytest.raises(DatasetError, match=r"features must have shape \(n, ...\)"):
+        Dataset(np.zeros(2, np.float32), np.zeros(2, np.int64), 10, "x")
+    assert Dataset(np.zeros((2, 8), np.float32), np.zeros(2, np.int64), 10, "x").n_features == 8
     with pytest.raises(DatasetError, match="labels"):
         Dataset(np.zeros((2, 1, 8, 8), np.float32), np.zeros(3, np.int64), 10, "x")
     ds = load_digits().subset(np.array([5, 1]))

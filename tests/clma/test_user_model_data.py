@@ -1,0 +1,283 @@
+"""The user's own model and data (`[model] factory`, `[data] source`): each config field,
+each refusal (naming the field and the rule, before anything is written), and a simulated
+federation built from a user's CNN and image source in a package outside the project."""
+
+from __future__ import annotations
+
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+from clma.config import ConfigError, validate_config
+from clma.datasets import load_source
+from clma.models import FactoryModelSpec, import_callable
+
+CNN = '''
+from torch import nn
+
+
+def small_cnn():
+    return nn.Sequential(
+        nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(8 * 4 * 4, 10))
+
+
+def wide_cnn():
+    return nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.Flatten(),
+                         nn.Linear(4 * 8 * 8, 7))
+
+
+def functional_only():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(64, 10)
+
+        def forward(self, x):
+            return nn.functional.relu(self.lin(x.flatten(1)))
+    return M()
+
+
+def not_a_module():
+    return "a string"
+
+
+def broken():
+    raise RuntimeError("no weights here")
+
+
+NOT_CALLABLE = 3
+'''
+
+DATA = '''
+import numpy as np
+from sklearn.datasets import load_digits
+
+
+def images():
+    d = load_digits()
+    return (d.images / 16.0).astype(np.float32)[:, None, :, :], d.target.astype(np.int64)
+
+
+def tabular():
+    d = load_digits()
+    return (d.data / 16.0).astype(np.float32), d.target
+
+
+def float64():
+    x, y = images()
+    return x.astype(np.float64), y
+
+
+def rank_one():
+    x, y = images()
+    return x[:, 0, 0, 0].copy(), y
+
+
+def short_labels():
+    x, y = images()
+    return x, y[:-1]
+
+
+def float_labels():
+    x, y = images()
+    return x, y.astype(np.float32)
+
+
+def negative_label():
+    x, y = images()
+    y = y.copy()
+    y[3] = -1
+    return x, y
+
+
+def one_class():
+    x, y = images()
+    return x, np.zeros_like(y)
+
+
+def nan_feature():
+    x, y = images()
+    x = x.copy()
+    x[0, 0, 0, 0] = np.nan
+    return x, y
+
+
+def not_a_pair():
+    return images()[0]
+'''
+
+
+@pytest.fixture
+def userpkg(tmp_path, monkeypatch):
+    """A package `userfed` (model.py, data.py) outside the project, on sys.path."""
+    pkg = tmp_path / "userfed"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "model.py").write_text(textwrap.dedent(CNN))
+    (pkg / "data.py").write_text(textwrap.dedent(DATA))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return tmp_path
+
+
+@pytest.mark.parametrize(("path", "message"), [
+    ("userfed.model", "must be 'package.module:function'"),
+    ("userfed.model:a:b", "must be 'package.module:function'"),
+    (":small_cnn", "must be 'package.module:function'"),
+    ("userfed.nothere:f", "module 'userfed.nothere' does not import (ModuleNotFoundError"),
+    ("userfed.model:missing", "'userfed.model' has no attribute 'missing'"),
+    ("userfed.model:NOT_CALLABLE", "'userfed.model:NOT_CALLABLE' is not callable"),
+])
+def test_import_paths_are_refused_naming_the_field(userpkg, path, message):
+    with pytest.raises(ValueError, match="^model.factory: ") as info:
+        import_callable(path, "model.factory")
+    assert message in str(info.value)
+
+
+@pytest.mark.parametrize("field", ["model.factory", "data.source"])
+def test_the_config_validates_the_import_paths(userpkg, field):
+    section, key = field.split(".")
+    with pytest.raises(ConfigError) as info:
+        validate_config({section: {key: "userfed.model:missing"}})
+    assert str(info.value) == ("invalid configuration: "
+                               f"{field}: 'userfed.model' has no attribute 'missing'")
+    cfg = validate_config({"model": {"factory": "userfed.model:small_cnn"},
+                           "data": {"source": "userfed.data:images"}})
+    assert (cfg.model.factory, cfg.data.source) == ("userfed.model:small_cnn",
+                                                     "userfed.data:images")
+
+
+def test_the_defaults_keep_the_fingerprint_of_earlier_versions():
+    from clma.config import default_config
+    from clma.state import resume_fingerprint
+
+    cfg = default_config()
+    assert cfg.model.factory is None and cfg.data.source is None
+    same = validate_config({**cfg.model_dump(mode="json"),
+                            "model": {"hidden": cfg.model.hidden}})
+    assert resume_fingerprint(same) == resume_fingerprint(cfg)
+
+
+@pytest.mark.parametrize(("name", "message"), [
+    ("float64", "features must be a numpy float32 array (got float64)"),
+    ("rank_one", "features must have shape (N, ...) with at least one feature axis"),
+    ("short_labels", "labels must have shape (N,) with N = 1797 samples"),
+    ("float_labels", "labels must be a numpy integer array (got float32)"),
+    ("negative_label", "labels must be classes 0 .. K-1 (a label is negative)"),
+    ("one_class", "labels must hold at least two classes"),
+    ("nan_feature", "features must be finite (NaN or inf found)"),
+    ("not_a_pair", "must return a (features, labels) pair"),
+])
+def test_bad_sources_are_refused_naming_the_rule(userpkg, name, message):
+    with pytest.raises(ValueError, match="^data.source: ") as info:
+        load_source(f"userfed.data:{name}")
+    assert message in str(info.value)
+
+
+def test_a_source_gives_the_dataset_as_returned(userpkg):
+    from sklearn.datasets import load_digits
+
+    ds = load_source("userfed.data:images")
+    d = load_digits()
+    assert ds.images.shape == (1797, 1, 8, 8) and ds.images.dtype == np.float32
+    np.testing.assert_array_equal(ds.labels, d.target)
+    assert ds.n_classes == 10 and ds.labels.dtype == np.int64
+    tab = load_source("userfed.data:tabular")  # int32/int64 labels, (N, F) features
+    assert tab.images.shape == (1797, 64) and tab.n_features == 64
+
+
+def test_factory_spec_builds_reproducibly_and_refuses_what_is_not_a_module(userpkg):
+    spec = FactoryModelSpec("userfed.model:small_cnn")
+    state = torch.random.get_rng_state()
+    a, b = spec.build(seed=3), spec.build(seed=3)
+    assert torch.equal(torch.random.get_rng_state(), state)  # global RNG untouched
+    for (ka, va), (kb, vb) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
+        assert ka == kb and torch.equal(va, vb)
+    assert not torch.equal(a[0].weight, spec.build(seed=4)[0].weight)
+    with pytest.raises(ValueError, match=r"^model.factory: 'userfed.model:not_a_module' "
+                                         r"returned str, not a torch.nn.Module$"):
+        FactoryModelSpec("userfed.model:not_a_module").build()
+    with pytest.raises(ValueError, match=r"raised RuntimeError: no weights here$"):
+        FactoryModelSpec("userfed.model:broken").build(seed=0)
+
+
+def _cfg(**over):
+    base = {"name": "user", "seed": 1, "rounds": 2, "clients": 6,
+            "data": {"probe_size": 16, "source": "userfed.data:images"},
+            "model": {"factory": "userfed.model:small_cnn"},
+            "tracking": {"enabled": False}}
+    for k, v in over.items():
+        base[k] = {**base.get(k, {}), **v}
+    return validate_config(base)
+
+
+@pytest.mark.parametrize(("over", "message"), [
+    ({"model": {"factory": "userfed.model:wide_cnn"}},
+     "model.factory: the model's output width 7 does not match the data's 10 classes"),
+    ({"data": {"source": "userfed.data:tabular"}},
+     "model.factory: the model rejects the features of shape (64,) per sample (RuntimeError"),
+    ({"model": {"factory": "userfed.model:functional_only"}},
+     "model.factory: divergence scoring reads nn.ReLU modules and the model's forward pass "
+     "calls none"),
+    ({"model": {"factory": "userfed.model:not_a_module"}},
+     "model.factory: 'userfed.model:not_a_module' returned str, not a torch.nn.Module"),
+    ({"data": {"source": "userfed.data:tabular"}, "model": {"factory": None},
+      "drift": {"events": [{"round": 2, "kind": "blur", "family": "b", "clients": [0],
+                                 "magnitude": 1.0}]}},
+     "drift.events[0].kind: 'blur' drifts images; the features of data.source are not "
+     "images (N, C, H, W)"),
+])
+def test_start_up_checks_refuse_before_round_one(userpkg, over, message):
+    from clma.sim.federation import build_federation
+
+    with pytest.raises(ValueError) as info:
+        build_federation(_cfg(**over))
+    assert message in str(info.value)
+
+
+def test_clma_run_refuses_a_bad_model_and_writes_nothing(userpkg, tmp_path, capsys):
+    from flows.cli import main
+
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text('name = "bad"\nclients = 6\n[data]\nsource = "userfed.data:images"\n'
+                   'probe_size = 16\n[model]\nfactory = "userfed.model:wide_cnn"\n')
+    rc = main(["run", "--config", str(cfg), "--out", str(tmp_path / "out"), "--state-dir",
+               str(tmp_path / "state"), "--quiet"])
+    assert rc == 2
+    assert "model.factory: the model's output width 7 does not match the data's 10 classes" \
+        in capsys.readouterr().err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "state").exists()
+    assert not list(tmp_path.glob("mlflow*")) and not (tmp_path / "mlruns").exists()
+
+
+def test_a_simulated_federation_on_the_users_cnn_and_images(userpkg):
+    """The assets come from the user's factory and source: the initial model is the
+    factory's at the config's seed (BatchNorm running statistics included in the vector),
+    and one engine round trains it, cohorts it and scores divergence."""
+    from clma.engine import FederationEngine
+    from clma.params import AllParams, model_to_vector
+    from clma.sim.clients import SimulatedClients
+    from clma.sim.federation import build_federation
+
+    cfg = _cfg()
+    sim = build_federation(cfg)
+    expected = model_to_vector(FactoryModelSpec("userfed.model:small_cnn").build(seed=1),
+                               AllParams())
+    np.testing.assert_array_equal(sim.initial_model, expected)
+    n_params = sum(p.numel() for p in sim.spec.build().parameters())
+    assert expected.shape == (n_params + 2 * 8,)  # + BatchNorm running mean and variance
+    assert sim.probe_x.shape == (16, 1, 8, 8)
+    engine = FederationEngine(cfg, sim.assets(), SimulatedClients(sim))
+    res = engine.run_round(1)
+    assert res.participants and len(engine.state.cohort_models) == 1
+    (model,) = engine.state.cohort_models.values()
+    assert model.shape == expected.shape and not np.array_equal(model, expected)
+
+
+def test_the_flower_transport_refuses_a_user_model_for_now(userpkg):
+    with pytest.raises(ConfigError, match="model.factory: the user's own model and data run "
+                                          "in the simulation"):
+        validate_config({"model": {"factory": "userfed.model:small_cnn"},
+                         "federation": {"transport": "flower"}})
