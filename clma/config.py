@@ -109,6 +109,13 @@ class DataConfig(_Strict):
         "data sets (clma/datasets/source.py). None = data.dataset.",
     )
 
+    probe: str | None = Field(
+        default=None,
+        description="The probe set of the divergence scores from a file: an .npz with a "
+        "float32 array 'features' (P, ...) shaped like the data's samples. None = "
+        "probe_size samples of the held-out split.",
+    )
+
     @field_validator("source")
     @classmethod
     def _source_imports(cls, v: str | None) -> str | None:
@@ -204,6 +211,13 @@ class ModelConfig(_Strict):
         default=None,
         description="The user's own model: 'package.module:function' returning a "
         "torch.nn.Module (clma/models/factory.py); None = the built-in MLP of 'hidden'.",
+    )
+
+    weights: str | None = Field(
+        default=None,
+        description="Start from these weights: a file holding the model's state_dict "
+        "(torch.save; loaded with weights_only=True, strict keys and shapes). None = the "
+        "factory's (or the MLP's) initialisation at the federation's seed.",
     )
 
     @field_validator("factory")
@@ -715,6 +729,8 @@ CONFIG_ADDITIONS: tuple[tuple[str, Any], ...] = (
     ("training.server_learning_rate_scope", "all"),
     ("model.factory", None),
     ("data.source", None),
+    ("model.weights", None),
+    ("data.probe", None),
 )
 
 def config_hash(data: Mapping[str, Any]) -> str:

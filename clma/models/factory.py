@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["FactoryModelSpec", "import_callable"]
+__all__ = ["FactoryModelSpec", "import_callable", "load_weights"]
 
 
 def import_callable(path: str, field: str) -> Callable[..., Any]:
@@ -81,3 +81,38 @@ class FactoryModelSpec:
             raise ValueError(f"model.factory: {self.factory!r} returned "
                              f"{type(model).__name__}, not a torch.nn.Module")
         return model
+
+
+def load_weights(model: Any, path: str) -> Any:
+    """Load the ``state_dict`` saved in ``path`` (``torch.save``) into ``model`` in place
+    (``weights_only=True``: no code is unpickled; strict keys and shapes); returns it.
+
+    Raises:
+        ValueError: ``model.weights``: the file cannot be read or is not a state dict,
+            or its keys or shapes do not fit the model (names the first few).
+    """
+    import torch
+
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise ValueError(f"model.weights: {path!r} does not exist") from None
+    except Exception as exc:  # noqa: BLE001 (unreadable or unsafe file)
+        raise ValueError(f"model.weights: {path!r} cannot be loaded as a state dict "
+                         f"({type(exc).__name__})") from None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor)
+                                              for v in state.values()):
+        raise ValueError(f"model.weights: {path!r} must hold a state_dict (name -> tensor)")
+    own = model.state_dict()
+    missing = sorted(set(own) - set(state))
+    extra = sorted(set(state) - set(own))
+    if missing or extra:
+        raise ValueError(f"model.weights: the keys do not fit the model (missing "
+                         f"{missing[:3]}, unexpected {extra[:3]})")
+    bad = [k for k in own if tuple(own[k].shape) != tuple(state[k].shape)]
+    if bad:
+        k = bad[0]
+        raise ValueError(f"model.weights: {k!r} has shape {tuple(state[k].shape)}, the model "
+                         f"expects {tuple(own[k].shape)}")
+    model.load_state_dict(state, strict=True)
+    return model

@@ -190,6 +190,32 @@ def check_model_on_features(model: Any, features: np.ndarray, n_classes: int, *,
                          "divergence.enabled = false)")
 
 
+def load_probe(path: str, sample_shape: tuple[int, ...]) -> np.ndarray:
+    """The probe set of ``[data] probe``: array ``features`` of the .npz file ``path``,
+    float32 ``(P, *sample_shape)``, finite, at least 2 samples.
+
+    Raises:
+        ValueError: ``data.probe``: unreadable, no ``features`` array, or it breaks a rule.
+    """
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            if "features" not in z.files:
+                raise ValueError(f"data.probe: {path!r} has no array 'features'")
+            x = z["features"]
+    except (OSError, ValueError) as exc:
+        if str(exc).startswith("data.probe"):
+            raise
+        raise ValueError(f"data.probe: {path!r} cannot be read as an .npz file "
+                         f"({type(exc).__name__})") from None
+    if x.dtype != np.float32 or tuple(x.shape[1:]) != tuple(sample_shape) or len(x) < 2:
+        raise ValueError(f"data.probe: 'features' must be float32 of shape (P, "
+                         f"{', '.join(map(str, sample_shape))}) with P >= 2 (got {x.dtype} "
+                         f"{tuple(x.shape)})")
+    if not np.isfinite(x).all():
+        raise ValueError("data.probe: 'features' must be finite (NaN or inf found)")
+    return np.ascontiguousarray(x)
+
+
 #: The architecture of a simulated federation: the built-in MLP or the user's factory.
 ModelSpec = MLPSpec | FactoryModelSpec
 
@@ -258,8 +284,15 @@ def build_federation(config: FederationConfig) -> SimulatedFederation:
     from clma.params import AllParams
 
     model = spec.build(seed=config.seed)
+    if config.model.weights:
+        from clma.models.factory import load_weights
+
+        load_weights(model, config.model.weights)
+    probe_x = dataset.images[split.probe]
+    if config.data.probe:
+        probe_x = load_probe(config.data.probe, dataset.images.shape[1:])
     if config.model.factory:
-        check_model_on_features(model, dataset.images[split.probe], dataset.n_classes,
+        check_model_on_features(model, probe_x, dataset.n_classes,
                                 needs_relu=config.divergence.enabled)
     initial = model_to_vector(model, AllParams())
     return SimulatedFederation(
@@ -269,7 +302,7 @@ def build_federation(config: FederationConfig) -> SimulatedFederation:
         partition=partition,
         test_x=dataset.images[split.test],
         test_y=dataset.labels[split.test],
-        probe_x=dataset.images[split.probe],
+        probe_x=probe_x,
         probe_indices=split.probe,
         initial_model=initial,
         dataset_name=dataset.name,

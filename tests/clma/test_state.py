@@ -308,7 +308,7 @@ def test_every_field_added_since_the_first_release_is_registered_with_its_legacy
     assert registered == ["drift.input_ks", "cohort.leading_split_alpha",
                           "cohort.leading_split_min_size", "training.server_learning_rate",
                           "training.server_learning_rate_scope", "model.factory",
-                          "data.source"]
+                          "data.source", "model.weights", "data.probe"]
     dump = cfg.model_dump(mode="json")
     for path, legacy in CONFIG_ADDITIONS:
         node = dump

@@ -281,3 +281,79 @@ def test_the_flower_transport_refuses_a_user_model_for_now(userpkg):
                                           "in the simulation"):
         validate_config({"model": {"factory": "userfed.model:small_cnn"},
                          "federation": {"transport": "flower"}})
+
+
+def test_start_from_saved_weights(userpkg, tmp_path):
+    from clma.params import AllParams, model_to_vector
+    from clma.sim.federation import build_federation
+
+    trained = FactoryModelSpec("userfed.model:small_cnn").build(seed=7)
+    with torch.no_grad():
+        trained[1].running_mean.fill_(0.25)  # a buffer travels with the weights too
+    torch.save(trained.state_dict(), tmp_path / "w.pt")
+    sim = build_federation(_cfg(model={"weights": str(tmp_path / "w.pt")}))
+    np.testing.assert_array_equal(sim.initial_model, model_to_vector(trained, AllParams()))
+    assert not np.array_equal(sim.initial_model, build_federation(_cfg()).initial_model)
+
+    other = FactoryModelSpec("userfed.model:wide_cnn").build(seed=0)
+    torch.save(other.state_dict(), tmp_path / "other.pt")
+    torch.save({"not": "tensors"}, tmp_path / "junk.pt")
+    for name, message in [
+        ("missing.pt", "model.weights: '{}' does not exist"),
+        ("other.pt", "model.weights: the keys do not fit the model (missing ['1.bias', "),
+        ("junk.pt", "model.weights: '{}' must hold a state_dict (name -> tensor)"),
+    ]:
+        path = str(tmp_path / name)
+        with pytest.raises(ValueError) as info:
+            build_federation(_cfg(model={"weights": path}))
+        assert message.format(path) in str(info.value)
+    trained_wrong = FactoryModelSpec("userfed.model:small_cnn").build(seed=7).state_dict()
+    trained_wrong["5.weight"] = torch.zeros(10, 3)
+    torch.save(trained_wrong, tmp_path / "shape.pt")
+    with pytest.raises(ValueError, match=r"model.weights: '5.weight' has shape \(10, 3\), "
+                                         r"the model expects \(10, 128\)"):
+        build_federation(_cfg(model={"weights": str(tmp_path / "shape.pt")}))
+
+
+def test_a_probe_set_from_a_file(userpkg, tmp_path):
+    from clma.sim.federation import build_federation
+
+    probe = np.random.default_rng(0).random((20, 1, 8, 8), dtype=np.float32)
+    np.savez(tmp_path / "probe.npz", features=probe)
+    sim = build_federation(_cfg(data={"probe": str(tmp_path / "probe.npz")}))
+    np.testing.assert_array_equal(sim.probe_x, probe)
+    assert sim.assets().probe_x.shape == (20, 1, 8, 8)
+    np.savez(tmp_path / "flat.npz", features=probe.reshape(20, 64))
+    np.savez(tmp_path / "named.npz", x=probe)
+    for name, message in [
+        ("flat.npz", "data.probe: 'features' must be float32 of shape (P, 1, 8, 8) with "
+                     "P >= 2 (got float32 (20, 64))"),
+        ("named.npz", "has no array 'features'"),
+        ("absent.npz", "cannot be read as an .npz file (FileNotFoundError)"),
+    ]:
+        with pytest.raises(ValueError) as info:
+            build_federation(_cfg(data={"probe": str(tmp_path / name)}))
+        assert message in str(info.value)
+
+
+def test_dp_fedavg_trains_the_users_cnn(userpkg):
+    """DP-FedAvg on the user's model: clipped updates of the whole state vector (BatchNorm
+    statistics included), noised once per cohort and charged to the training line."""
+    from clma.engine import FederationEngine, open_budget
+    from clma.sim.clients import SimulatedClients
+    from clma.sim.federation import build_federation
+
+    cfg = _cfg(training={"dp": {"enabled": True, "noise_multiplier": 1.0,
+                                "noise_seeded": True}},
+               testing={"allow_seeded_noise_not_private": True})
+    sim = build_federation(cfg)
+    budget = open_budget(cfg)
+    try:
+        engine = FederationEngine(cfg, sim.assets(), SimulatedClients(sim), budget=budget)
+        engine.run_round(1)
+        (model,) = engine.state.cohort_models.values()
+        assert np.isfinite(model).all() and not np.array_equal(model, sim.initial_model)
+        line = [e for e in budget.ledger.entries() if e["line"].startswith("training")]
+        assert line, "the round charged the training line"
+    finally:
+        budget.close()
