@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from clma.datasets.builtin import Dataset
 from clma.models.factory import import_callable
-from clma.sim.data import Dataset
 
 __all__ = ["load_source"]
 

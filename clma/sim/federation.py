@@ -22,14 +22,14 @@ from typing import Any
 import numpy as np
 
 from clma.config import FederationConfig
+from clma.datasets.builtin import Dataset, DatasetError, holdout_split, load_dataset
+from clma.datasets.partition import dirichlet_partition, iid_partition
 from clma.engine.state import ServerAssets
 from clma.models.factory import FactoryModelSpec
 from clma.params import model_to_vector
 from clma.regions import PartitionError, RegionPartition, load_partition
-from clma.sim.data import Dataset, DatasetError, holdout_split, load_dataset
 from clma.sim.drift import AppliedDrift, apply_drifts
 from clma.sim.models import MLPSpec
-from clma.sim.partition import dirichlet_partition, iid_partition
 
 __all__ = [
     "SimClient",
@@ -223,7 +223,7 @@ ModelSpec = MLPSpec | FactoryModelSpec
 def build_federation(config: FederationConfig) -> SimulatedFederation:
     """Build the simulated federation described by ``config`` (deterministic in its seed).
 
-    Raises :class:`clma.sim.data.DatasetError` (message prefixed ``data.data_dir:``),
+    Raises :class:`clma.datasets.DatasetError` (message prefixed ``data.data_dir:``),
     :class:`clma.regions.PartitionError` (prefixed ``data.region_partition:``) or
     ValueError naming the field when the data cannot host the configured clients.
     """

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from clma.config import validate_config
+from clma.datasets.builtin import holdout_split, load_digits
 from clma.engine import ServerState, TrainRequest, TrainSettings
 from clma.rounds import fedavg
 from clma.sim.clients import SimLearner, SimulatedClients
-from clma.sim.data import holdout_split, load_digits
 from clma.sim.federation import build_federation
 from clma.sim.training import mean_loss, predict_proba
 

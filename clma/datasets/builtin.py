@@ -1,4 +1,4 @@
-"""Datasets for the simulated federation.
+"""The built-in data sets (below the simulation and the devices: both load from here).
 
 - :func:`load_digits` — scikit-learn's bundled handwritten digits (1,797 8x8 greyscale
   images, 10 classes): the embedded real dataset, no download.

@@ -1,4 +1,4 @@
-"""clma.sim.partition: IID shards and Dirichlet(alpha) label skew."""
+"""clma.datasets.partition: IID shards and Dirichlet(alpha) label skew."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from scipy.stats import entropy
 
-from clma.sim.partition import dirichlet_partition, iid_partition
+from clma.datasets.partition import dirichlet_partition, iid_partition
 
 
 def _check_disjoint_cover(shards, n):

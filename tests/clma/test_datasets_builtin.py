@@ -1,4 +1,4 @@
-"""clma.sim.data: digits, IDX (Fashion-MNIST) and CIFAR-10 pickle loaders, held-out split."""
+"""clma.datasets.builtin: digits, IDX (Fashion-MNIST) and CIFAR-10 pickle loaders, held-out split."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import struct
 import numpy as np
 import pytest
 
-from clma.sim.data import (
+from clma.datasets.builtin import (
     Dataset,
     DatasetError,
     holdout_split,
