@@ -40,6 +40,10 @@ def functional_only():
     return M()
 
 
+def tab_mlp():
+    return nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+
+
 def not_a_module():
     return "a string"
 
@@ -119,6 +123,10 @@ def userpkg(tmp_path, monkeypatch):
     (pkg / "model.py").write_text(textwrap.dedent(CNN))
     (pkg / "data.py").write_text(textwrap.dedent(DATA))
     monkeypatch.syspath_prepend(str(tmp_path))
+    import sys
+
+    for name in [m for m in sys.modules if m == "userfed" or m.startswith("userfed.")]:
+        monkeypatch.delitem(sys.modules, name)  # each test imports its own copy
     return tmp_path
 
 
@@ -209,7 +217,7 @@ def _cfg(**over):
             "model": {"factory": "userfed.model:small_cnn"},
             "tracking": {"enabled": False}}
     for k, v in over.items():
-        base[k] = {**base.get(k, {}), **v}
+        base[k] = {**base.get(k, {}), **v} if isinstance(v, dict) else v
     return validate_config(base)
 
 
@@ -357,3 +365,29 @@ def test_dp_fedavg_trains_the_users_cnn(userpkg):
         assert line, "the round charged the training line"
     finally:
         budget.close()
+
+
+@pytest.mark.parametrize(("detector", "source", "factory"), [
+    ("input_ks", "images", "small_cnn"),
+    ("input_ks", "tabular", "tab_mlp"),
+    ("page_hinkley", "tabular", "tab_mlp"),
+])
+def test_drift_detectors_flag_the_drifted_clients_on_the_users_inputs(userpkg, detector,
+                                                                       source, factory):
+    """The on-device drift flag on the user's model and features (images and tabular):
+    the three clients whose labels rotate at round 3 are flagged at round 3, no one else."""
+    if detector == "page_hinkley":
+        pytest.importorskip("river")  # the [drift] extra (installed with '.[all]')
+    from clma.engine import FederationEngine
+    from clma.sim.clients import SimulatedClients
+    from clma.sim.federation import build_federation
+
+    cfg = _cfg(rounds=4, data={"source": f"userfed.data:{source}"},
+               model={"factory": f"userfed.model:{factory}"},
+               drift={"detector": detector, "events": [
+                   {"round": 3, "kind": "label_rotation", "shift": 1, "family": "p",
+                    "clients": [0, 1, 2]}]})
+    sim = build_federation(cfg)
+    engine = FederationEngine(cfg, sim.assets(), SimulatedClients(sim))
+    flagged = [engine.run_round(r).flagged for r in range(1, 5)]
+    assert flagged == [0, 0, 3, 0]
