@@ -709,7 +709,7 @@ class PrivateEvaluator:
 
         def may_unmask(sid: str, survivors: frozenset[int]) -> str | None:
             new = {(int(c), param_digest[int(assignments[c])]) for c in survivors}
-            if exposed_clients([*known, new], m) is not None:
+            if exposed_clients([*known, new], m, touching=new) is not None:
                 return ("differencing: with the sums learned before, a linear combination "
                         "would isolate fewer than the floor's clients")
             entry = {"round": int(round_number), "group": name_of[sid], "session": sid,

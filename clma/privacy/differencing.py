@@ -172,14 +172,22 @@ def _exposed_in(sets: Sequence[frozenset[Element]], m: int) -> frozenset[int] | 
     return None
 
 
-def exposed_clients(sets: Iterable[Collection[Element]], m: int) -> frozenset[int] | None:
+def exposed_clients(sets: Iterable[Collection[Element]], m: int, *,
+                    touching: Collection[Element] | None = None) -> frozenset[int] | None:
     """Clients of a linear combination of the sums over ``sets`` that holds fewer than m of
     them, or None when there is none (the rule holds).
+
+    The span of sets in different connected components (sharing no element) is a direct
+    sum, and a combination's client count is at least that of its part in any one
+    component, so each component is checked on its own.
 
     Args:
         sets: each a collection of ``(client id, digest)`` elements whose sum was (or
             would be) learned; empty sets and repeats are allowed.
         m: the cohort floor (``m >= 1``).
+        touching: check only the components with a set that shares an element with this
+            one (the server checking one new set against a history that kept the rule:
+            the other components are unchanged). None: every component.
 
     Returns:
         The distinct clients of one such combination's support (fewer than m), or None.
@@ -190,7 +198,10 @@ def exposed_clients(sets: Iterable[Collection[Element]], m: int) -> frozenset[in
     if m < 1:
         raise ValueError("m: the cohort floor must be at least 1")
     uniq = sorted({frozenset(s) for s in sets if s}, key=lambda s: sorted(map(repr, s)))
+    key = None if touching is None else frozenset(touching)
     for comp in _components(uniq):
+        if key is not None and not any(uniq[i] & key for i in comp):
+            continue
         found = _exposed_in([uniq[i] for i in comp], m)
         if found is not None:
             return found

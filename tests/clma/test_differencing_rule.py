@@ -91,3 +91,18 @@ def test_matches_the_brute_force_check(raw, m, n_digests):
     assert holds_floor(sets, m) == _brute_force(sets, m)
     found = exposed_clients(sets, m)
     assert found is None or len(found) < m
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.sets(st.integers(0, 9), min_size=1, max_size=9), min_size=1, max_size=5),
+       st.sets(st.integers(0, 9), min_size=1, max_size=9), st.integers(1, 5))
+def test_checking_only_the_new_sets_component_is_the_same_answer(history, new, m):
+    """Against a history that keeps the rule, the components a new set does not touch
+    cannot break it: checking the new set's component alone gives the same verdict."""
+    hist = [{(c, "d" if c < 5 else "e") for c in s} for s in history]
+    if not holds_floor(hist, m):
+        return  # the server never holds such a history
+    cand = {(c, "d" if c < 5 else "e") for c in new}
+    full = exposed_clients([*hist, cand], m)
+    fast = exposed_clients([*hist, cand], m, touching=cand)
+    assert (full is None) == (fast is None)
