@@ -216,8 +216,10 @@ class ModelConfig(_Strict):
     weights: str | None = Field(
         default=None,
         description="Start from these weights: a file holding the model's state_dict "
-        "(torch.save; loaded with weights_only=True, strict keys and shapes). None = the "
-        "factory's (or the MLP's) initialisation at the federation's seed.",
+        "(torch.save; loaded with weights_only=True, strict keys and shapes), or a cohort "
+        "model CLMA registered in MLflow ('models:/name@alias', 'models:/name/version', "
+        "'runs:/run_id/model'; read from MLFLOW_TRACKING_URI or the local store). None = "
+        "the factory's (or the MLP's) initialisation at the federation's seed.",
     )
 
     @field_validator("factory")

@@ -254,19 +254,25 @@ class _PendingModel:
 def save_model_folder(vector: np.ndarray, spec: Any, example: np.ndarray, tmp: str) -> str:
     """Save the model of parameter ``vector`` (architecture ``spec``) as an MLflow model
     (``mlflow.pytorch`` flavour, ``pt2`` exported graph, pinned torch requirement,
-    ``example`` the input example) to ``tmp/model``; returns that folder. A plain function
+    ``example`` the input example, and the exact ``state_dict`` as
+    ``extra_files/state_dict.pt``, which ``[model] weights = "models:/..."`` and
+    :func:`clma.models.factory.load_weights` read) to ``tmp/model``; returns that folder. A plain function
     of picklable data, so a worker process can run it."""
     import mlflow.pytorch
     import torch
 
+    from clma.models.factory import STATE_DICT_FILE
     from clma.params import AllParams, vector_to_model
 
     module = vector_to_model(vector, spec.build(seed=0), AllParams()).eval()
     logging.getLogger("mlflow").setLevel(logging.ERROR)
+    state_file = Path(tmp) / Path(STATE_DICT_FILE).name
+    torch.save(module.state_dict(), state_file)
     folder = str(Path(tmp) / "model")
     mlflow.pytorch.save_model(
         module, folder, serialization_format="pt2", input_example=example,
         pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"],
+        extra_files=[str(state_file)],
     )
     return folder
 

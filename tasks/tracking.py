@@ -22,6 +22,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from clma.models.factory import DEFAULT_STORE, reading_tracking_uri
+
 __all__ = ["EXPERIMENT_KIND", "default_tracking_uri", "error_bar_key", "experiment_tags",
            "metric_key", "FederationTracker"]
 
@@ -30,17 +32,13 @@ __all__ = ["EXPERIMENT_KIND", "default_tracking_uri", "error_bar_key", "experime
 EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
 ERROR_BAR_SUFFIX = ".error_bar"
 
-DEFAULT_STORE = Path("mlflow") / "store"
-
 
 def default_tracking_uri() -> str:
     """``MLFLOW_TRACKING_URI`` if set, else ``sqlite:///<cwd>/mlflow/store/mlflow.db``."""
-    env = os.environ.get("MLFLOW_TRACKING_URI")
-    if env:
-        return env
-    store = (Path.cwd() / DEFAULT_STORE).resolve()
-    store.mkdir(parents=True, exist_ok=True)
-    return f"sqlite:///{store / 'mlflow.db'}"
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return reading_tracking_uri()
+    (Path.cwd() / DEFAULT_STORE).resolve().mkdir(parents=True, exist_ok=True)
+    return reading_tracking_uri()
 
 
 def _artifact_location(uri: str) -> str | None:

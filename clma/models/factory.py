@@ -8,16 +8,34 @@ cohorting, DP-FedAvg and the cohort registry work on it unchanged. The divergenc
 read the activation patterns of every ``nn.ReLU`` module the forward pass calls, in call
 order (a convolution's ReLU included); a model with no ``nn.ReLU`` module (functional
 ``F.relu``) gives no pattern layer and is refused when divergence scoring is on.
+
+``[model] weights`` starts the federation from saved weights: a ``torch.save`` file of the
+model's ``state_dict``, or a cohort model CLMA registered in MLflow (``models:/name@alias``,
+``models:/name/version`` or ``runs:/run_id/path``), whose folder carries the exact
+``state_dict`` beside the exported graph (``extra_files/state_dict.pt``,
+:data:`STATE_DICT_FILE`). The same file lets the user load a registered cohort model into
+their own class: ``load_weights(my_factory(), "models:/fed-cohorts@cohort-3")``.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-__all__ = ["FactoryModelSpec", "import_callable", "load_weights"]
+__all__ = ["DEFAULT_STORE", "REGISTRY_SCHEMES", "STATE_DICT_FILE", "FactoryModelSpec",
+           "import_callable", "load_weights", "reading_tracking_uri"]
+
+#: The project's local MLflow store, relative to the working directory.
+DEFAULT_STORE = Path("mlflow") / "store"
+#: Where a registered cohort model keeps its exact ``state_dict`` (MLflow ``extra_files``).
+STATE_DICT_FILE = "extra_files/state_dict.pt"
+#: ``model.weights`` values read from MLflow rather than from a file.
+REGISTRY_SCHEMES = ("models:/", "runs:/")
 
 
 def import_callable(path: str, field: str) -> Callable[..., Any]:
@@ -83,26 +101,74 @@ class FactoryModelSpec:
         return model
 
 
-def load_weights(model: Any, path: str) -> Any:
-    """Load the ``state_dict`` saved in ``path`` (``torch.save``) into ``model`` in place
-    (``weights_only=True``: no code is unpickled; strict keys and shapes); returns it.
+def reading_tracking_uri() -> str:
+    """The MLflow store to read from: ``MLFLOW_TRACKING_URI`` if set, else the project's
+    local store ``sqlite:///<cwd>/mlflow/store/mlflow.db`` (not created here)."""
+    env = os.environ.get("MLFLOW_TRACKING_URI")
+    if env:
+        return env
+    return f"sqlite:///{(Path.cwd() / DEFAULT_STORE).resolve() / 'mlflow.db'}"
+
+
+def _registry_state_file(ref: str, tracking_uri: str | None, tmp: str) -> str:
+    """Download the model folder of ``ref`` into ``tmp``; the path of its state dict."""
+    import mlflow.artifacts
+
+    uri = tracking_uri or reading_tracking_uri()
+    if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file():
+        raise ValueError(f"model.weights: {ref!r} names an MLflow model, but there is no "
+                         f"MLflow store at {uri} (set MLFLOW_TRACKING_URI)")
+    try:
+        folder = mlflow.artifacts.download_artifacts(artifact_uri=ref, dst_path=tmp,
+                                                     tracking_uri=uri, registry_uri=uri)
+    except Exception as exc:  # noqa: BLE001 (missing model/alias/run, unreachable server)
+        why = getattr(exc, "error_code", None) or type(exc).__name__
+        raise ValueError(f"model.weights: {ref!r} cannot be read from {uri} ({why}: no such "
+                         "registered model, version, alias or run, or the store is "
+                         "unreachable)") from None
+    path = Path(folder) / STATE_DICT_FILE
+    if not path.is_file():
+        raise ValueError(f"model.weights: {ref!r} has no {STATE_DICT_FILE} (only cohort "
+                         "models CLMA registered carry their state dict)")
+    return str(path)
+
+
+def load_weights(model: Any, path: str, *, tracking_uri: str | None = None) -> Any:
+    """Load a saved ``state_dict`` into ``model`` in place (``weights_only=True``: no code is
+    unpickled; strict keys and shapes); returns it.
+
+    Args:
+        model: a ``torch.nn.Module`` of the architecture the weights were saved from.
+        path: a ``torch.save`` file of a state dict, or a model CLMA registered in MLflow
+            (``models:/name@alias``, ``models:/name/version``, ``runs:/run_id/model``).
+        tracking_uri: the MLflow store of a registry reference; None =
+            :func:`reading_tracking_uri`.
 
     Raises:
-        ValueError: ``model.weights``: the file cannot be read or is not a state dict,
-            or its keys or shapes do not fit the model (names the first few).
+        ValueError: ``model.weights``: the file cannot be read or is not a state dict; the
+            MLflow store, model, alias or run does not exist or holds no state dict; the
+            keys or shapes do not fit the model (names the first few).
     """
+    if str(path).startswith(REGISTRY_SCHEMES):
+        with tempfile.TemporaryDirectory(prefix="clma-weights-") as tmp:
+            return _load_state_file(model, _registry_state_file(path, tracking_uri, tmp),
+                                    shown=path)
+    return _load_state_file(model, path, shown=path)
+
+
+def _load_state_file(model: Any, path: str, *, shown: str) -> Any:
     import torch
 
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
-        raise ValueError(f"model.weights: {path!r} does not exist") from None
+        raise ValueError(f"model.weights: {shown!r} does not exist") from None
     except Exception as exc:  # noqa: BLE001 (unreadable or unsafe file)
-        raise ValueError(f"model.weights: {path!r} cannot be loaded as a state dict "
+        raise ValueError(f"model.weights: {shown!r} cannot be loaded as a state dict "
                          f"({type(exc).__name__})") from None
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor)
                                               for v in state.values()):
-        raise ValueError(f"model.weights: {path!r} must hold a state_dict (name -> tensor)")
+        raise ValueError(f"model.weights: {shown!r} must hold a state_dict (name -> tensor)")
     own = model.state_dict()
     missing = sorted(set(own) - set(state))
     extra = sorted(set(state) - set(own))

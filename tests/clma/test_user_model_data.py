@@ -5,6 +5,7 @@ federation built from a user's CNN and image source in a package outside the pro
 from __future__ import annotations
 
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -321,6 +322,69 @@ def test_start_from_saved_weights(userpkg, tmp_path):
     with pytest.raises(ValueError, match=r"model.weights: '5.weight' has shape \(10, 3\), "
                                          r"the model expects \(10, 128\)"):
         build_federation(_cfg(model={"weights": str(tmp_path / "shape.pt")}))
+
+
+def _register(tmp_path, folder, name, alias):
+    import mlflow
+
+    client = mlflow.MlflowClient()
+    exp = client.create_experiment(f"e-{name}", artifact_location=str(tmp_path / "art"))
+    run = client.create_run(exp)
+    client.log_artifacts(run.info.run_id, folder, "model")
+    client.create_registered_model(name)
+    mv = client.create_model_version(name, f"runs:/{run.info.run_id}/model",
+                                     run_id=run.info.run_id)
+    client.set_registered_model_alias(name, alias, mv.version)
+    return run.info.run_id
+
+
+def test_start_from_a_cohort_model_registered_in_mlflow(userpkg, tmp_path, monkeypatch):
+    """`[model] weights = "models:/name@alias"`: the exact state dict CLMA stores beside a
+    registered cohort model's exported graph (BatchNorm buffers included) starts the
+    federation; a missing store, alias or state dict is refused naming the field."""
+    from clma.models.factory import STATE_DICT_FILE, load_weights
+    from clma.params import AllParams, model_to_vector
+    from clma.sim.federation import build_federation
+    from tasks.lineage import save_model_folder
+
+    db = tmp_path / "store" / "mlflow.db"
+    ref = "models:/fed-cohorts@cohort-2"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{db}")
+    with pytest.raises(ValueError, match=r"^model.weights: 'models:/fed-cohorts@cohort-2' "
+                                         r"names an MLflow model, but there is no MLflow "
+                                         r"store at sqlite:///"):
+        build_federation(_cfg(model={"weights": ref}))
+    assert not db.parent.exists()  # refused before anything was written
+
+    spec = FactoryModelSpec("userfed.model:small_cnn")
+    trained = spec.build(seed=7)
+    with torch.no_grad():
+        trained[1].running_var.fill_(2.5)
+    vector = model_to_vector(trained, AllParams())
+    (tmp_path / "export").mkdir()
+    folder = save_model_folder(vector, spec, np.zeros((2, 1, 8, 8), np.float32),
+                               str(tmp_path / "export"))
+    assert (Path(folder) / STATE_DICT_FILE).is_file()
+    db.parent.mkdir()
+    run_id = _register(tmp_path, folder, "fed-cohorts", "cohort-2")
+
+    sim = build_federation(_cfg(model={"weights": ref}))
+    np.testing.assert_array_equal(sim.initial_model, vector)
+    same = load_weights(spec.build(seed=0), f"runs:/{run_id}/model")  # the user's own class
+    np.testing.assert_array_equal(model_to_vector(same, AllParams()), vector)
+
+    with pytest.raises(ValueError, match=r"^model.weights: 'models:/fed-cohorts@cohort-9' "
+                                         r"cannot be read from sqlite:///.* \(.*: no such "
+                                         r"registered model, version, alias or run"):
+        build_federation(_cfg(model={"weights": "models:/fed-cohorts@cohort-9"}))
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "MLmodel").write_text("flavors: {}\n")
+    _register(tmp_path, str(plain), "not-clma", "x")
+    with pytest.raises(ValueError, match=r"^model.weights: 'models:/not-clma@x' has no "
+                                         r"extra_files/state_dict.pt \(only cohort models "
+                                         r"CLMA registered carry their state dict\)$"):
+        build_federation(_cfg(model={"weights": "models:/not-clma@x"}))
 
 
 def test_a_probe_set_from_a_file(userpkg, tmp_path):
