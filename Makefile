@@ -1,6 +1,7 @@
 # Two commands for a fresh machine (see README.md):
 #   make run   - create .venv, install the server side, run the main job on the embedded default
 #   make test  - create .venv, install everything (all extras + test tools), run the test suite
+#   make test-quick - ruff + the tests that need no server, browser or deployment (< 5 min)
 # Both install with plain `pip install -e '.[EXTRAS]'`: every extra co-resolves (pyproject.toml).
 #   make device-venv - the lean install of a Flower SuperNode (flwr, torch, the library; no
 #                      Prefect, no MLflow) in .venv-device
@@ -14,7 +15,7 @@ TEST_EXTRAS = all,dev
 # every server a test starts binds a free loopback port). Override: PYTEST_ARGS='-p no:xdist'
 PYTEST_ARGS ?= -n 2 --dist loadfile
 
-.PHONY: run test lint bench clean-store chromium device-venv
+.PHONY: run test test-quick lint bench clean-store chromium device-venv
 
 $(VENV)/bin/python $(DEVICE_VENV)/bin/python: %/bin/python:
 	$(PYTHON) -m venv $*
@@ -36,6 +37,13 @@ chromium:
 test: $(VENV)/.installed-$(TEST_EXTRAS) chromium
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
+
+# Before every commit: ruff and every test that starts no server, browser or deployment
+# and runs no end-to-end flow (under 5 minutes on 2 cores; README "Tests").
+QUICK = not slow and not server and not browser
+test-quick: $(VENV)/.installed-$(TEST_EXTRAS)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/pytest -q -n 2 -m "$(QUICK)"
 
 lint: $(VENV)/.installed-dev
 	$(VENV)/bin/ruff check .
