@@ -48,7 +48,6 @@ from typing import Annotated, Any, ClassVar
 
 import numpy as np
 from pydantic import Field
-from scipy import stats
 
 from clma.drift.cusum import DetectorParams, _params
 from clma.drift.detectors import DriftDetector, check_loss
@@ -159,6 +158,8 @@ def feature_ks_pvalues(reference: np.ndarray, current: np.ndarray
     tested = hi > lo
     if not tested.any():
         return np.zeros(0, dtype=np.float64), tested
+    from scipy import stats  # lazy: every ClientApp process imports this module
+
     res = stats.ks_2samp(reference[:, tested].astype(np.float64),
                          current[:, tested].astype(np.float64), axis=0)
     return np.atleast_1d(np.asarray(res.pvalue, dtype=np.float64)), tested

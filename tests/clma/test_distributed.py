@@ -161,6 +161,27 @@ def test_error_bar_quantile_is_exact_on_both_branches():
     assert sum_noise_quantile(1e4, 16) == pytest.approx(1.959964 * 4e4, abs=2.0)
 
 
+@pytest.mark.parametrize(("sigma", "n", "level"), [
+    (4.0, 1, 0.01), (4.0, 7, 0.5), (5.3, 3, 0.99), (123.4, 6, 0.95), (1e4, 16, 0.95),
+    (1e4, 16, 1 - 1e-6), (2.5e4, 9, 0.95)])
+def test_error_bar_quantile_sums_only_up_to_the_bar_and_equals_the_whole_pmf(sigma, n, level):
+    # from sigma = 4 the bar sums exp(-k^2 / 2 s^2) up to b against the Poisson-summation
+    # normaliser s sqrt(2 pi): the same integer as the normalised pmf on +-40 s, also when
+    # the sum runs over several chunks
+    from clma.privacy.distributed import _dg_quantile
+
+    s = sigma * np.sqrt(n)
+    x = np.arange(-int(np.ceil(40 * s)) - 2, int(np.ceil(40 * s)) + 3)
+    w = np.exp(-(x.astype(np.float64) ** 2) / (2 * s * s))
+    p = w / w.sum()
+    r = len(p) // 2
+    expected = int(np.searchsorted(np.cumsum(np.r_[p[r], p[r + 1:] + p[:r][::-1]]), level))
+    assert p[r - expected:r + expected + 1].sum() >= level
+    assert sum_noise_quantile(sigma, n, level) == expected
+    assert _dg_quantile(s, level, chunk=7) == expected
+    assert abs(w.sum() - s * np.sqrt(2 * np.pi)) < 1e-12 * w.sum()
+
+
 def test_ring_wraps_no_more_often_than_the_bound_and_decodes_exactly_otherwise():
     """A deliberately small ring (k = 10, 3 members, Q = 200, sigma = 61: margin 212, twice
     the sum's std): the bound (0.54) holds against simulated wrap-arounds (about 9 %

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
+
+APP = Path(__file__).resolve().parents[2] / "flows" / "flower_app"
 
 _BLOCK_FLWR = "import sys; sys.modules['flwr'] = None\n"
 
@@ -47,3 +50,17 @@ def test_from_clma_import_CLMA_is_the_flower_strategy():
         assert "NoSuchThing" in str(exc)
     else:
         raise AssertionError("unknown names must raise AttributeError")
+
+
+def test_the_clientapp_module_imports_no_scipy_torch_or_server_side():
+    # Flower starts one flwr-clientapp process per message, and each imports the app: the
+    # secure-aggregation steps must not pay for scipy, torch or scikit-learn (the learner
+    # imports them when a train or advertise message builds it), nor ever for the server side
+    out = _run("import sys\n"
+               f"sys.path.insert(0, {str(APP)!r})\n"
+               "import clma_clientapp, clma.device, clma.privacy.secagg\n"
+               "heavy = [m for m in ('scipy', 'torch', 'sklearn', 'prefect', 'mlflow', 'pandas')"
+               " if m in sys.modules]\n"
+               "print(heavy)")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
