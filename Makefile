@@ -13,7 +13,7 @@ DEVICE_VENV ?= .venv-device
 TEST_EXTRAS = all,dev
 # the suite on both cores, a test file per worker at a time (module fixtures built once;
 # every server a test starts binds a free loopback port). Override: PYTEST_ARGS='-p no:xdist'
-PYTEST_ARGS ?= -n 2 --dist loadfile
+PYTEST_ARGS ?= -n 2 --dist loadfile --no-loadscope-reorder
 
 .PHONY: run test test-quick lint bench clean-store chromium device-venv
 

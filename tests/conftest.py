@@ -42,3 +42,21 @@ def mlflow_store(tmp_path, monkeypatch):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     return uri
+
+
+def pytest_collection_modifyitems(config, items):
+    """Longest first: the files that start servers or a Flower deployment, then the other
+    files with end-to-end (``slow``) tests, then the rest; files and the tests within each
+    file keep their collection order (a stable sort by the file's tier). With ``-n 2 --dist
+    loadfile --no-loadscope-reorder`` (the Makefile's) the workers take files in this order,
+    so the Flower deployment module starts at once on one worker while the other works
+    through the rest, instead of running alone at the end."""
+    def tier(item) -> int:
+        marks = {m.name for m in item.iter_markers()}
+        return 0 if "server" in marks else 1 if "slow" in marks else 2
+
+    files: dict[str, int] = {}
+    for item in items:
+        path = item.nodeid.split("::", 1)[0]
+        files[path] = min(files.get(path, 2), tier(item))
+    items.sort(key=lambda item: files[item.nodeid.split("::", 1)[0]])

@@ -142,7 +142,9 @@ def test_the_registered_cohort_models_load_back(runs, monkeypatch):
     from myfed.data import digit_images
     from myfed.model import small_cnn
 
-    mlflow.set_tracking_uri(f"sqlite:///{tmp / 'mlflow.db'}")
+    # the environment, not mlflow.set_tracking_uri: a process-wide setting would outlive
+    # this test and point later tests in the same worker at this store
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp / 'mlflow.db'}")
     x, y = digit_images()
     xs = torch.from_numpy(x[:90])
     accuracy = {}
