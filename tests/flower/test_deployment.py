@@ -15,11 +15,11 @@ registered before the node starts) -- plus one SuperNode whose key is not regist
    rounds; the unregistered one is refused by the SuperLink (it never gets a node id, the
    SuperLink logs the refused activation with its public key, the runs never see it); no
    private key is in any log.
-3. Last (it stops a node): a SuperNode is stopped during round 2's secure aggregation
-   (after the key shares): the round completes with the survivors, secure aggregation
-   recovers their sum; the orchestrating ServerApp is SIGKILLed in round 4 and the
-   federation resumed: no client exchange of a committed step is sent again, nothing is
-   charged twice. This run keeps the local config's secure (OpenDP) noise.
+3. Last (it stops a node), on the same deployment: a SuperNode is stopped during round
+   2's secure aggregation (after the key shares): the round completes with the survivors,
+   secure aggregation recovers their sum; the orchestrating ServerApp is SIGKILLed in round
+   4 and the federation resumed: no client exchange of a committed step is sent again,
+   nothing is charged twice. Seeded noise, as the run above.
 `stop` leaves no process behind. Everything binds 127.0.0.1, with temporary Flower,
 Prefect and MLflow homes.
 """
@@ -295,23 +295,14 @@ def deployment(tmp_path_factory):
             env=dict(d.env, FLWR_HOME=str(home), PATH=f"{Path(VENV) / 'bin'}:{os.environ['PATH']}"),
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True)
-    done: list[bool] = []
-
-    def teardown() -> None:
-        if done:  # idempotent: the failure test's fixture tears it down early
-            return
-        done.append(True)
-        with contextlib.suppress(ProcessLookupError):  # it and any child it left behind
-            os.killpg(d.intruder.pid, signal.SIGKILL)
-        d.intruder.wait()
-        left = d.stop()
-        assert not left, f"processes left after stop: {sorted(left)}"
-
-    d.teardown = teardown
     try:
         yield d
     finally:
-        teardown()
+        with contextlib.suppress(ProcessLookupError):  # it and any child it left behind
+            os.killpg(d.intruder.pid, signal.SIGKILL)
+        d.intruder.wait()
+        left = d.stop()  # also after the failure test stopped node 5
+        assert not left, f"processes left after stop: {sorted(left)}"
 
 
 @pytest.fixture(scope="module")
@@ -520,54 +511,51 @@ def test_tls_and_supernode_authentication_admit_only_the_registered_nodes(
 
 # ------------------------------------------------------------------ 3: failures (last: stops a node)
 def test_a_node_lost_mid_round_and_a_killed_orchestrator_resume_without_repeats(
-        deployment, tmp_path_factory):
-    # a deployment of its own (plaintext, seeded noise: the form that passed CI at 9af9b16);
-    # the shared one is torn down first (this test runs last), so the two never run at once.
-    # With TLS + auth and OpenDP noise on the shared SuperLink the resumed run re-sent round
-    # 4's secagg_advertise instead of replaying it and every device refused: the graph seed
-    # was a fresh CSPRNG draw per call (now keyed by the server secret, unit-tested in
-    # tests/clma/engine/test_evaluation.py; this form not yet seen green on a deployment)
-    deployment.teardown()
+        deployment, seeded_run, tmp_path_factory):
+    # the shared deployment (TLS, SuperNode authentication), after the seeded run and the
+    # checks that need all six nodes; seeded noise, as the run above. The kill comes in a
+    # later round than the node loss: resumed in the round the node was lost in, the
+    # journal keyed round 2's requests over six nodes, the resumed run asks five, and it
+    # sent the committed advertise step again (seen once at 918ff3c: the devices answered
+    # from their state and the run completed; left for an issue of its own)
+    d = deployment
     tmp = tmp_path_factory.mktemp("failures")
-    port = _free_ports(1, 9700)
-    d = Deployment(tmp / "run", port, _free_ports(6, port + 20))
     t0 = time.perf_counter()
-    d.start()
-    try:
-        # a lost node is noticed by the SuperLink (heartbeat) or by the exchange timeout; the
-        # resumed run waits at most 30 s for the six nodes of the roster
-        cfg = _toml(_config(tmp, "failures", d.superlink, flower={"connect_timeout_seconds": 30.0},
-                            evaluation={"noise_seeded": True},
-                            testing={"allow_seeded_noise_not_private": True}))
-        state, out = tmp / "state", tmp / "out"
-        env = _env(tmp, CLMA_FLOWER_FAILPOINT="pause:2:secagg_share_keys,"
-                                              "kill:4:secagg_share_keys")
-        log = tmp / "clma.log"
-        proc = subprocess.Popen([CLMA, "run", "--config", str(cfg), "--out", str(out),
-                                 "--state-dir", str(state), "--quiet"], env=env,
-                                stdout=subprocess.PIPE, stderr=open(log, "ab"), cwd=str(tmp))
-        marker = state / "flower" / "failpoint-2-secagg_share_keys.paused"
-        deadline = time.monotonic() + 900
-        while not marker.exists():
-            assert proc.poll() is None, log.read_text()[-3000:]
-            assert time.monotonic() < deadline, "round 2 never reached its key shares"
-            time.sleep(1)
-        r = d.script("stop-node", "5")  # client 5 leaves after sharing its keys
-        assert r.returncode == 0, r.stdout + r.stderr
-        marker.unlink()
-        rc = proc.wait(timeout=1800)  # the ServerApp kills itself in round 4
-        assert rc == 1, log.read_text()[-3000:]
-        first = _progress(state)
-        killed_run = first[-1]["flower_run_id"]
-        committed = {(x["round"], x["call"]) for x in first if x["status"] == "sent"}
-        assert (4, "secagg_share_keys") in committed and (4, "secagg_masked_input") not in committed
-        # resume: a new orchestrating process, a new Flower run
-        r = _clma(["run", "--resume", str(state), "--out", str(out), "--quiet"], _env(tmp), log)
-        assert r.returncode == 0, log.read_text()[-4000:]
-        seconds = time.perf_counter() - t0
-    finally:
-        left = d.stop()
-    assert not left, f"processes left after stop: {sorted(left)}"
+    # a lost node is noticed by the SuperLink (heartbeat) or by the exchange timeout; the
+    # resumed run waits at most 10 s for the six nodes of the roster (five are left)
+    cfg = _toml(_config(tmp, "failures", d.superlink,
+                        flower={**d.flower(), "connect_timeout_seconds": 10.0},
+                        evaluation={"noise_seeded": True},
+                        testing={"allow_seeded_noise_not_private": True}))
+    state, out = tmp / "state", tmp / "out"
+    env = _env(tmp, CLMA_FLOWER_FAILPOINT="pause:2:secagg_share_keys,"
+                                          "kill:4:secagg_share_keys")
+    log = tmp / "clma.log"
+    proc = subprocess.Popen([CLMA, "run", "--config", str(cfg), "--out", str(out),
+                             "--state-dir", str(state), "--quiet"], env=env,
+                            stdout=subprocess.PIPE, stderr=open(log, "ab"), cwd=str(tmp))
+    marker = state / "flower" / "failpoint-2-secagg_share_keys.paused"
+    deadline = time.monotonic() + 900
+    while not marker.exists():
+        assert proc.poll() is None, log.read_text()[-3000:]
+        assert time.monotonic() < deadline, "round 2 never reached its key shares"
+        time.sleep(1)
+    r = d.script("stop-node", "5")  # client 5 leaves after sharing its keys
+    assert r.returncode == 0, r.stdout + r.stderr
+    marker.unlink()
+    rc = proc.wait(timeout=1800)  # the ServerApp kills itself in round 4
+    assert rc == 1, log.read_text()[-3000:]
+    first = _progress(state)
+    killed_run = first[-1]["flower_run_id"]
+    committed = {(x["round"], x["call"]) for x in first if x["status"] == "sent"}
+    assert (4, "secagg_share_keys") in committed and (4, "secagg_masked_input") not in committed
+    # round 2's masked inputs: node 5 dropped after its key shares, five answered
+    assert [(x["ok"], x["failed"]) for x in first
+            if x["round"] == 2 and x["call"] == "secagg_masked_input"] == [(5, 1)]
+    # resume: a new orchestrating process, a new Flower run
+    r = _clma(["run", "--resume", str(state), "--out", str(out), "--quiet"], _env(tmp), log)
+    assert r.returncode == 0, log.read_text()[-4000:]
+    seconds = time.perf_counter() - t0
     lines = _progress(state)
     runs = [json.loads(x)["flower_run_id"] for x in
             (state / "flower" / "runs.jsonl").read_text().splitlines()]
@@ -580,9 +568,8 @@ def test_a_node_lost_mid_round_and_a_killed_orchestrator_resume_without_repeats(
         assert got == ["replayed"], (call, got)
     for call in ("secagg_masked_input", "secagg_unmask"):
         assert [x["status"] for x in second if x["round"] == 4 and x["call"] == call] == ["sent"]
-    # round 2: node 5 dropped after its key shares, the survivors' sum was recovered
-    masked2 = [x for x in lines if x["round"] == 2 and x["call"] == "secagg_masked_input"]
-    assert [(x["ok"], x["failed"]) for x in masked2] == [(5, 1)]
+    assert not [x for x in second if x["round"] in (1, 2, 3)]
+    # the survivors' sum was recovered: round 2's report is published
     summary = json.loads((out / "summary.json").read_text())
     assert [x["round"] for x in summary["rounds"]] == [1, 2, 3, 4]
     rep2 = summary["rounds"][1]["regional"]
@@ -596,4 +583,5 @@ def test_a_node_lost_mid_round_and_a_killed_orchestrator_resume_without_repeats(
     ledger = PrivacyLedger(state / "ledger", load_policy("simulation_policy_v3.toml"))
     keys = [(e["epoch"], e["round"], e["release"]) for e in ledger.entries()]
     assert keys and len(keys) == len(set(keys))  # nothing charged twice
+    assert {e["status"] for e in ledger.entries()} == {"committed"}
     print(f"\n[timing] node loss + orchestrator kill + resume: {seconds:.0f} s")
