@@ -837,12 +837,14 @@ class FederationConfig(_Strict):
                              "'flower'")
         if self.transport == "flower":
             fl = self.flower
-            for name, value in (("model.factory", self.model.factory),
-                                ("data.source", self.data.source)):
-                if value is not None:
-                    raise ValueError(f"{name}: the user's own model and data run in the "
-                                     "simulation (in-process or dask) for now; on Flower "
-                                     "SuperNodes the devices use the built-in model and data")
+            if self.data.source is not None:
+                raise ValueError("data.source: on the 'flower' transport each device's data "
+                                 "come from its SuperNode's node config data-source; the "
+                                 "server reads none (remove data.source)")
+            if self.model.factory is not None and self.data.probe is None:
+                raise ValueError("data.probe: a federation of real clients with "
+                                 "model.factory needs a probe file (the server holds none "
+                                 "of the devices' data)")
             if fl.node_count is not None and fl.node_count > self.clients:
                 raise ValueError(f"federation.flower.node_count: at most 'clients' "
                                  f"({self.clients}); each node is one client (its partition id)")

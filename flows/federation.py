@@ -37,7 +37,6 @@ from clma.divergence import probe_digest
 from clma.engine import FederationEngine, RoundResult, open_budget
 from clma.engine.divergence import DivergenceOutcome
 from clma.release import count_band
-from clma.sim.truth import drift_event_ari, families_separated, mean_or_none
 from flows.transport import Transport, open_transport
 from tasks.budget import report_budget_round
 from tasks.durable import FederationSession
@@ -96,6 +95,8 @@ def _truth(transport: Transport, engine: FederationEngine, round_number: int,
     sim, view = transport.simulation, transport.truth
     if sim is None or view is None:
         return {}
+    from clma.sim.truth import drift_event_ari, families_separated, mean_or_none
+
     reg = engine.state.registry
     assignments = {c: int(reg.cohort_of(c)) for c in participants}
     evaluations = view.truth(round_number, assignments, engine.state.cohort_models,

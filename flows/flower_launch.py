@@ -11,8 +11,9 @@
    certificates);
 2. ``flwr run <app_dir> clma --run-config <file> --format json`` -- the run config holds
    the job's path (server side), ``config-json`` (:func:`flows.flower_serverapp.device_config`,
-   what the devices need) and ``federation-id`` (:func:`federation_id`: devices keep one
-   state per federation); prints the Flower run id;
+   what the devices need), ``model-spec`` (:func:`clma.models.checks.spec_to_json`: the
+   architecture every device builds) and ``federation-id`` (:func:`federation_id`: devices
+   keep one state per federation); prints the Flower run id;
 3. streams the run's log (``flwr log <id> clma --stream``) to stderr unless quiet, and
    keeps it in ``<out>/flower/run-<id>.log``;
 4. waits: the ServerApp writes ``result.json`` when the flow ends; ``flwr ls`` gives the
@@ -212,6 +213,7 @@ def _submit(config: Any, app: Path, flwr: str, root: Path, out: Path,
             state_dir: str | os.PathLike | None, resume: bool | None,
             max_new_rounds: int | None) -> tuple[str, dict[str, str]]:
     """Write the job into ``root`` and submit it with ``flwr run``: (run id, CLI env)."""
+    from clma.models.checks import model_spec_of, spec_to_json
     from flows.flower_serverapp import Job, device_config
     from tasks.tracking import default_tracking_uri
 
@@ -228,6 +230,7 @@ def _submit(config: Any, app: Path, flwr: str, root: Path, out: Path,
     run_cfg = root / "run-config.toml"
     run_cfg.write_text(f"job = {_toml_str(str(job_path))}\n"
                        f"config-json = {_toml_str(json.dumps(device_config(config)))}\n"
+                       f"model-spec = {_toml_str(spec_to_json(model_spec_of(config)))}\n"
                        f"federation-id = {_toml_str(federation_id(config, state_dir))}\n",
                        "utf-8")
     cli_env = _cli_env(_flower_home(root, config))

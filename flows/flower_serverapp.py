@@ -76,22 +76,23 @@ def load_job(path: str | os.PathLike) -> Job:
 def device_config(config: Any) -> dict[str, Any]:
     """What a SuperNode's learner needs of the config (seed, clients, data, drift, model,
     training), as JSON data; server-side sections (paths, budget, tracking, state) are left
-    at their defaults and the region partition file stays on the server."""
+    at their defaults, the region partition file and the probe file stay on the server and
+    so do ``model.weights`` (a device's model is overwritten by the vector it receives)."""
     d = config.model_dump(mode="json")
     keep = {k: d[k] for k in ("name", "seed", "rounds", "clients", "drift", "model", "training")}
-    keep["data"] = {**d["data"], "region_partition": None}
+    keep["data"] = {**d["data"], "region_partition": None, "probe": None}
+    keep["model"] = {**d["model"], "weights": None}
     return keep
 
 
 def server_assets(config: Any) -> Any:
-    """The server's public assets for real clients: the architecture of the config's
-    dataset and model, the initial model from the seed, the shared probe set from the
-    dataset's held-out split and the region partition -- built exactly as for a simulation
-    (:meth:`clma.sim.federation.SimulatedFederation.assets`), so both start from the same
-    model; the simulated clients' shards are discarded."""
-    from clma.sim.federation import build_federation
+    """The server's public assets for real clients (:func:`clma.engine.assets.
+    deployment_assets`): the configured model factory (or the built-in MLP of the reference
+    data set), its initial weights, the probe set and the region partition; the same
+    assets as a simulation of the same config, without building one."""
+    from clma.engine.assets import deployment_assets
 
-    return build_federation(config).assets()
+    return deployment_assets(config)
 
 
 def _write_json(path: Path, doc: dict[str, Any]) -> None:
@@ -123,8 +124,11 @@ def main(grid: Grid, context: Context) -> None:
         cfg = validate_config(job.config)
         noise = check_noise_source(cfg)
         assets = server_assets(cfg)
+        from clma.models.checks import model_layout
+
         clients = FlowerTransport(grid, cfg, state_dir=job.state_dir,
-                                  partition=assets.partition, n_params=assets.n_params)
+                                  partition=assets.partition, n_params=assets.n_params,
+                                  model_layout=model_layout(assets.model_spec.build()))
         transport = Transport("flower", clients, assets, executor="flower-deployment",
                               details={"flower_run_id": str(run_id) if run_id is not None
                                        else None, "superlink": cfg.flower.superlink,

@@ -9,8 +9,14 @@
 #   infra/flower-local.sh certs [DIR] # self-signed CA + loopback server certificate
 #
 # Each SuperNode i runs the CLMA ClientApp of the runs it receives with
-#   --node-config "partition-id=i num-partitions=N state-dir='<run>/nodes/i/state'"
-# and its own --port (its Runtime API). Insecure (plain HTTP) unless CLMA_FLOWER_TLS names
+#   --node-config "partition-id=i num-partitions=N state-dir='<run>/nodes/i/state'
+#                  data-source='<CLMA_FLOWER_DATA_SOURCE>' <CLMA_FLOWER_NODE_CONFIG>"
+# and its own --port (its Runtime API). The data source is the device's data
+# (clma/flower/device_data.py: "package.module:function", called on the node with its node
+# config); the default is the built-in demo, the simulated digits client of partition id i.
+# The federation's model comes from the run (the config's [model] factory): the SuperLink
+# (which runs the ServerApp) and the SuperNodes import the user's package from the venv or
+# from PYTHONPATH, which this script passes on. Insecure (plain HTTP) unless CLMA_FLOWER_TLS names
 # a folder made by `certs` (ca.crt, server.crt, server.key): then the SuperLink serves TLS
 # and the SuperNodes verify it with ca.crt; point the config's root_certificates there.
 #
@@ -31,6 +37,9 @@
 #   CLMA_FLOWER_TLS        folder of certs (see above); unset = insecure
 #   CLMA_FLOWER_AUTH       SuperNode authentication, true or false (default: true with TLS;
 #                          true without TLS is refused)
+#   CLMA_FLOWER_DATA_SOURCE  every node's data source, "package.module:function"
+#                          (default clma.flower.demo:simulated_shard, the built-in demo)
+#   CLMA_FLOWER_NODE_CONFIG  more node config entries for every node, e.g. "site-dir='/data'"
 #   CLMA_VENV              venv holding flwr and clma (default <project>/.venv)
 #   CLMA_START_TIMEOUT     seconds to wait for each process (default 120)
 # Then: clma run --config clma/configs/flower_local.toml   ([federation.flower] superlink =
@@ -43,6 +52,13 @@ HOST="${CLMA_FLOWER_HOST:-127.0.0.1}"
 PORT="${CLMA_FLOWER_PORT:-9093}"
 NODE_PORT="${CLMA_FLOWER_NODE_PORT:-9110}"
 TLS="${CLMA_FLOWER_TLS:-}"
+DATA_SOURCE="${CLMA_FLOWER_DATA_SOURCE:-clma.flower.demo:simulated_shard}"
+NODE_EXTRA="${CLMA_FLOWER_NODE_CONFIG:-}"
+case "$DATA_SOURCE" in
+    *[!A-Za-z0-9_.:]*|*:*:*|:*|*:|"") die "CLMA_FLOWER_DATA_SOURCE='$DATA_SOURCE': must be package.module:function" ;;
+    *:*) ;;
+    *) die "CLMA_FLOWER_DATA_SOURCE='$DATA_SOURCE': must be package.module:function" ;;
+esac
 check_loopback "$HOST"; check_port "$PORT"; check_port "$NODE_PORT"
 case "${CLMA_FLOWER_AUTH:-}" in
     "") if [ -n "$TLS" ]; then AUTH=1; else AUTH=0; fi ;;
@@ -239,7 +255,7 @@ cmd_start() {
         mkdir -p "$d/home" "$d/state"
         FLWR_HOME="$d/home" setsid "$node" "${tls_node[@]}" "${auth_node[@]}" --superlink "$HOST:$PORT" \
             --host "$HOST" --port $((NODE_PORT + i)) \
-            --node-config "partition-id=$i num-partitions=$n state-dir='$d/state'" \
+            --node-config "partition-id=$i num-partitions=$n state-dir='$d/state' data-source='$DATA_SOURCE'${NODE_EXTRA:+ $NODE_EXTRA}" \
             >"$d/supernode.log" 2>&1 </dev/null &
         echo $! >"$RUN/supernode-$i.pid"
     done
@@ -247,7 +263,7 @@ cmd_start() {
         wait_for "SuperNode $i" "$RUN/supernode-$i.pid" "$RUN/nodes/$i/supernode.log" "SuperNode ID" \
             || { cmd_stop >/dev/null; exit 1; }
     done
-    echo "$n SuperNodes connected (partition-id 0..$((n - 1)); logs: $RUN/nodes/<i>/supernode.log)"
+    echo "$n SuperNodes connected (partition-id 0..$((n - 1)), data-source $DATA_SOURCE; logs: $RUN/nodes/<i>/supernode.log)"
     if [ -n "$TLS" ]; then
         echo "config: [federation.flower] superlink = \"$HOST:$PORT\", insecure = false, root_certificates = \"$TLS/ca.crt\""
     else

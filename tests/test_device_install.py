@@ -11,12 +11,17 @@ the rest), so the quick subset (``-m "not slow ..."``) skips it.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from clma.config import validate_config
+from flows.flower_serverapp import device_config
+from tests.flower.conftest import tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -27,7 +32,7 @@ DEVICE_MODULES = [
     "clma.device", "clma.drift", "clma.params", "clma.metrics", "clma.release",
     "clma.privacy.secagg", "clma.sim.models", "clma.sim.training", "clma.sim.federation",
     "clma.sim.clients", "clma.config", "clma.flower.clientapp", "clma.flower.codec",
-    "clma.flower.learner",
+    "clma.flower.learner", "clma.flower.device_data", "clma.flower.demo", "clma.models.checks",
     "flwr.clientapp", "torch",
 ]
 
@@ -62,6 +67,28 @@ def test_device_install_has_no_prefect_and_no_mlflow(tmp_path):
     assert r.returncode == 0, r.stderr[-4000:]
     assert r.stdout.strip().splitlines()[-1] == (
         '{"absent": {"prefect": true, "mlflow": true}, "loaded": []}')
+
+    # a SuperNode with a user's data source (a package outside the project): roster and one
+    # training step through the ClientApp load neither the simulation nor Prefect nor MLflow
+    from tests.flower.user_site import DEVICE_CHECK, on_path, write_package, write_probe
+
+    site = write_package(tmp_path / "site")
+    on_path(site)  # the config names the factory: validating it imports the module
+    try:
+        cfg = validate_config({**tiny_config().model_dump(mode="json"), "rounds": 2,
+                               "model": {"factory": "siteuser.model:site_mlp"},
+                               "data": {"probe": str(write_probe(site / "probe.npz"))},
+                               "drift": {"events": []}, "federation": {"transport": "flower"}})
+    finally:
+        sys.path.remove(str(site))
+    spec = '{"kind": "factory", "factory": "siteuser.model:site_mlp"}'
+    n_params = 64 * 24 + 24 + 4 * 24 + 24 * 10 + 10
+    r = subprocess.run([str(py), "-c", DEVICE_CHECK, json.dumps(device_config(cfg)), spec,
+                        str(n_params)], cwd=site, env=dict(env, PYTHONPATH=str(site)),
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == {
+        "n_params": n_params, "n_samples": 150, "loaded": []}
 
     r = subprocess.run([str(venv / "bin" / "clma"), "run", "--quiet"], cwd=tmp_path, env=env,
                        capture_output=True, text=True, timeout=300)

@@ -4,7 +4,10 @@
 Flower transport's calls (:mod:`clma.flower.transport`, wire format
 :mod:`clma.flower.codec`) with the on-device rules of :mod:`clma.device`:
 
-* ``query.clma_roster`` -- the node's ``partition-id`` (its client id; node config);
+* ``query.clma_roster`` -- the node's ``partition-id`` (its client id; node config) and
+  the layout of the model the run names (parameter count and digest,
+  :func:`clma.models.checks.model_layout`): the server refuses a node whose model differs
+  from its own;
 * ``train`` -- :func:`clma.device.train_on_device`: the received model's loss on the
   current local data feeds the drift detector (state keyed by round,
   :class:`clma.drift.RoundKeyedState`), local training, reply with the parameters, the
@@ -35,9 +38,13 @@ running. Error codes: :data:`BAD_REQUEST`, :data:`REFUSED`, :data:`DEVICE_ERROR`
 
 The model and data are the user's: a ``learner_factory(context) -> LocalLearner``
 (:class:`clma.flower.learner.TorchLearner` over a torch model factory and data loaders).
-The default factory, :func:`digits_learner_factory`, builds the simulated digits client of
-the node's ``partition-id`` from the federation config the server sends in the run config
-(``config-json``).
+The default factory, :func:`default_learner_factory`, builds the model the server names in
+the run config (``model-spec``: the federation's ``[model] factory``, imported on the
+device, or the built-in MLP) over the data of the node config's ``data-source``
+(:mod:`clma.flower.device_data`); the built-in demo is
+``data-source='clma.flower.demo:simulated_shard'``. A data source that does not import or
+returns data of the wrong shape gets an error reply (:data:`DEVICE_ERROR`) naming
+``node config 'data-source'``; the server records it as that node's failure.
 """
 
 from __future__ import annotations
@@ -46,7 +53,6 @@ import base64
 import json
 import logging
 import os
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -63,8 +69,10 @@ __all__ = [
     "REFUSED",
     "DeviceRefusal",
     "DeviceState",
+    "default_learner_factory",
     "digits_learner_factory",
     "make_client_app",
+    "partition_id_of",
 ]
 
 BAD_REQUEST, REFUSED, DEVICE_ERROR = 4001, 4003, 4500
@@ -151,41 +159,42 @@ def federation_of(context: Context) -> str:
 
 # ----------------------------------------------------------------------------- learners
 
-_LEARNERS: dict[tuple[str, int], Any] = {}
-_LEARNERS_LOCK = threading.Lock()
-
 
 def digits_learner_factory(context: Context) -> Any:
-    """The simulated digits client of this node: the federation config from the run config
-    (``config-json``), the client from the node config (``partition-id``); cached per
-    process (a simulation reuses its workers)."""
-    from clma.config import ConfigError, validate_config
-    from clma.flower.learner import digits_learner
+    """The built-in demo's learner whatever the node config says: the simulated digits
+    client of the node's ``partition-id`` in the run's federation (``config-json``) --
+    the default factory with ``data-source = clma.flower.demo:simulated_shard``
+    (:func:`clma.flower.device_data.device_learner_factory`)."""
+    from clma.flower.device_data import DATA_SOURCE, DEMO_SOURCE, device_learner_factory
 
-    text = context.run_config.get("config-json")
-    if not isinstance(text, str) or not text:
-        raise DeviceRefusal("run config 'config-json': the federation config is missing")
-    try:
-        cfg = validate_config(json.loads(text))
-    except (ValueError, ConfigError) as exc:
-        raise DeviceRefusal(f"run config 'config-json': {exc}") from None
-    pid = _partition_id(context)
-    key = (cfg.fingerprint(), pid)
-    with _LEARNERS_LOCK:
-        hit = _LEARNERS.get(key)
-        if hit is None:
-            state_dir = context.node_config.get("state-dir")
-            cache = state_dir if isinstance(state_dir, str) and state_dir else None
-            hit = _LEARNERS[key] = digits_learner(cfg, pid, cache_dir=cache)
-        return hit
+    demo = Context(run_id=context.run_id, node_id=context.node_id,
+                   node_config={**dict(context.node_config), DATA_SOURCE: DEMO_SOURCE},
+                   state=context.state, run_config=context.run_config)
+    return device_learner_factory(demo)
 
 
-def _partition_id(context: Context) -> int:
+def default_learner_factory(context: Context) -> Any:
+    """The ClientApp's default learner: the node config's ``data-source`` under the model
+    the server names (:func:`clma.flower.device_data.device_learner_factory`)."""
+    from clma.flower.device_data import device_learner_factory
+
+    return device_learner_factory(context)
+
+
+def partition_id_of(context: Context) -> int:
+    """The node's client id: node config ``partition-id``, an integer >= 0.
+
+    Raises:
+        DeviceRefusal: missing or not such an integer.
+    """
     v = context.node_config.get("partition-id")
     if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= codec.MAX_ID:
         raise DeviceRefusal("node config 'partition-id': must be an integer >= 0 "
                             "(flower-supernode --node-config \"partition-id=N\")")
     return v
+
+
+_partition_id = partition_id_of
 
 
 # ----------------------------------------------------------------------------- handlers
@@ -297,7 +306,31 @@ def _step(call: str, method: str) -> Callable[[Message, Context, Any], RecordDic
 
 def _roster(msg: Message, context: Context, factory: Any) -> RecordDict:
     codec.header_of(msg.content, "roster")
-    return codec.encode_roster_reply(_partition_id(context))
+    return codec.encode_roster_reply(_partition_id(context), layout=_layout(context))
+
+
+def _layout(context: Context) -> tuple[int, str] | None:
+    """``(n_params, digest)`` of the model the server names (run config ``model-spec``, or
+    the federation config's model), for the roster's check; None when the run config
+    names neither (a run that is not a CLMA federation's)."""
+    text = context.run_config.get("config-json")
+    spec_text = context.run_config.get("model-spec")
+    if not (isinstance(spec_text, str) and spec_text) and not (isinstance(text, str) and text):
+        return None
+    from clma.config import ConfigError, validate_config
+    from clma.flower.device_data import device_model_spec
+    from clma.models.checks import model_layout
+
+    cfg = None
+    if not (isinstance(spec_text, str) and spec_text):
+        try:
+            cfg = validate_config(json.loads(text))
+        except (ValueError, ConfigError) as exc:
+            raise DeviceRefusal(f"run config 'config-json': {exc}") from None
+    import torch
+
+    torch.set_num_threads(1)
+    return model_layout(device_model_spec(context.run_config, cfg).build())
 
 
 _HANDLERS: dict[str, Callable[[Message, Context, Any], RecordDict]] = {
@@ -311,7 +344,7 @@ _HANDLERS: dict[str, Callable[[Message, Context, Any], RecordDict]] = {
 
 
 def handle(call: str, msg: Message, context: Context,
-           factory: Callable[[Context], Any] = digits_learner_factory) -> Message:
+           factory: Callable[[Context], Any] = default_learner_factory) -> Message:
     """Answer one message of ``call`` (the ClientApp's handlers call this; tests too):
     the reply, or an error reply naming what was wrong."""
     from clma.privacy.secagg import SecAggAbort
@@ -332,8 +365,9 @@ def handle(call: str, msg: Message, context: Context,
 
 def make_client_app(learner_factory: Callable[[Context], Any] | None = None) -> ClientApp:
     """The CLMA ClientApp (module docstring) over ``learner_factory(context) ->
-    LocalLearner`` (default :func:`digits_learner_factory`)."""
-    factory = learner_factory or digits_learner_factory
+    LocalLearner`` (default :func:`default_learner_factory`: the node config's
+    ``data-source`` under the model the server names)."""
+    factory = learner_factory or default_learner_factory
     app = ClientApp()
 
     def register(call: str) -> None:

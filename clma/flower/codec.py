@@ -73,6 +73,7 @@ __all__ = [
     "DeviceReportRequest",
     "DeviceTrainRequest",
     "decode_report_request",
+    "decode_roster_layout",
     "decode_roster_reply",
     "decode_step_reply",
     "decode_step_request",
@@ -322,16 +323,36 @@ def encode_roster_request() -> RecordDict:
     return RecordDict({RECORD: ConfigRecord({"schema": SCHEMA, "call": "roster"})})
 
 
-def encode_roster_reply(partition_id: int) -> RecordDict:
-    return RecordDict({RECORD: ConfigRecord({"schema": SCHEMA, "call": "roster",
-                                             "partition-id": _int(partition_id,
-                                                                  "partition-id")})})
+def encode_roster_reply(partition_id: int, layout: tuple[int, str] | None = None
+                        ) -> RecordDict:
+    """The roster reply: the node's partition id and, when given, its model's layout
+    ``(n_params, digest)`` (:func:`clma.models.checks.model_layout`)."""
+    rec = ConfigRecord({"schema": SCHEMA, "call": "roster",
+                        "partition-id": _int(partition_id, "partition-id")})
+    if layout is not None:
+        rec["n-params"] = _int(layout[0], "n-params", 1, 2**62)
+        rec["model-layout"] = str(layout[1])
+    return RecordDict({RECORD: rec})
 
 
 def decode_roster_reply(content: Any, n_clients: int) -> int:
     """The node's partition id (its client id), in ``[0, n_clients)``."""
     rec = header_of(content, "roster")
     return _int(rec.get("partition-id"), f"{RECORD}.partition-id", 0, n_clients - 1)
+
+
+def decode_roster_layout(content: Any) -> tuple[int, str] | None:
+    """The model layout ``(n_params, digest)`` a roster reply reports (None: none).
+    Raises :class:`CodecError` on a malformed one."""
+    rec = header_of(content, "roster")
+    if "n-params" not in rec and "model-layout" not in rec:
+        return None
+    n = _int(rec.get("n-params"), f"{RECORD}.n-params", 1, 2**62)
+    digest = rec.get("model-layout")
+    if not isinstance(digest, str) or len(digest) != 64 or not all(
+            c in "0123456789abcdef" for c in digest):
+        raise CodecError(f"{RECORD}.model-layout: must be a sha256 hex digest")
+    return n, digest
 
 
 # ----------------------------------------------------------------------------- train

@@ -1,6 +1,7 @@
 """A device's model and data for the ClientApp: :class:`TorchLearner` over a user's torch
-model factory and data loaders, and :func:`digits_learner`, the simulated digits clients
-as one use of it.
+model factory and data loaders (a SuperNode's node config ``data-source`` builds one,
+:mod:`clma.flower.device_data`), and :func:`digits_learner`, the simulated digits clients
+of the built-in demo as one use of it.
 
 :class:`TorchLearner` implements :class:`clma.device.LocalLearner`. Models travel as the
 float32 vector of the model's full state (``clma.params.AllParams``: parameters and
@@ -31,7 +32,7 @@ import numpy as np
 from clma.device import LocalFit
 from clma.engine.clients import TrainSettings
 
-__all__ = ["SeededBatches", "TorchLearner", "digits_learner"]
+__all__ = ["SeededBatches", "TorchLearner", "digits_learner", "simulated_client"]
 
 Loader = Iterable[Any] | Callable[[int], Iterable[Any]]
 
@@ -200,10 +201,29 @@ def _device_view(config: Any, partition_id: int, cache_dir: Any) -> Any:
                                None, None, fed.dataset_name)
 
 
+def simulated_client(config: Any, partition_id: Any, cache_dir: Any = None) -> Any:
+    """The simulated client ``partition_id`` of ``config``'s federation as the device sees it
+    (:class:`clma.sim.clients.SimLearner` over its own shard only; the shard kept in
+    ``cache_dir`` as ``.npz`` when given).
+
+    Raises:
+        ValueError: ``partition_id`` is not a client of the federation.
+    """
+    from clma.sim.clients import SimLearner
+
+    if isinstance(partition_id, bool) or not isinstance(partition_id, int) or not (
+            0 <= partition_id < config.clients):
+        raise ValueError(f"partition-id: must be in [0, {config.clients}) for this federation")
+    fed = _device_view(config, int(partition_id), cache_dir)
+    return SimLearner(fed, fed.clients[int(partition_id)])
+
+
 def digits_learner(config: Any, partition_id: int, cache_dir: Any = None) -> TorchLearner:
     """The simulated client ``partition_id`` of ``config``'s federation (its data shard,
     drifted by the config's schedule as of the round asked) as a :class:`TorchLearner`:
-    bit-identical to the in-process simulation's client (:class:`clma.sim.clients.SimLearner`).
+    the built-in demo's data source (:func:`clma.flower.demo.simulated_shard`) under the
+    ClientApp's learner (:func:`clma.flower.device_data.device_learner`), bit-identical to
+    the in-process simulation's client (:class:`clma.sim.clients.SimLearner`).
 
     ``cache_dir``: the device's own folder; its shard is kept there (``.npz``) so later
     messages skip building the data set (a ClientApp process starts for every message).
@@ -211,28 +231,15 @@ def digits_learner(config: Any, partition_id: int, cache_dir: Any = None) -> Tor
     Raises:
         ValueError: ``partition_id`` is not a client of the federation.
     """
-    import torch
+    from clma.flower.demo import simulated_shard
+    from clma.flower.device_data import DeviceData, device_learner
+    from clma.models.checks import model_spec_of
 
-    from clma.sim.clients import SimLearner
-
-    if not 0 <= int(partition_id) < config.clients:
-        raise ValueError(f"partition-id: must be in [0, {config.clients}) for this federation")
-    fed = _device_view(config, int(partition_id), cache_dir)
-    sim = SimLearner(fed, fed.clients[int(partition_id)])
-    seed, cid, batch = config.seed, int(partition_id), config.training.batch_size
-
-    def tensors(round_number: int, part: str) -> tuple[Any, Any]:
-        tx, ty, ex, ey = sim.data(round_number)
-        x, y = (tx, ty) if part == "train" else (ex, ey)
-        return torch.from_numpy(x), torch.from_numpy(y)
-
-    def train(round_number: int) -> SeededBatches:  # a fresh seeded stream per fit
-        x, y = tensors(round_number, "train")
-        return SeededBatches(x, y, batch, np.random.default_rng([seed, round_number, cid, 7]))
-
-    return TorchLearner(
-        fed.spec.build,
-        train_loader=train,
-        eval_loader=lambda r: [tensors(r, "eval")],
-        pre_loss_loader=lambda r: [tensors(r, "train")],
-    )
+    node = {"partition-id": int(partition_id)}
+    if cache_dir is not None:
+        node["state-dir"] = str(cache_dir)
+    parts = simulated_shard(node, config)
+    spec = model_spec_of(config)
+    return device_learner(spec.build, DeviceData(parts["train"], parts["eval"]),
+                          seed=config.seed, partition_id=int(partition_id),
+                          batch_size=config.training.batch_size)

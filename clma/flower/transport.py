@@ -7,7 +7,9 @@
   each once for its ``partition-id`` (one ``query.clma_roster`` round-trip; the partition id
   is the client id) and places it in its region of the public partition
   (``clma.regions.load_partition(...).assign(clients, seed)``). A node that does not answer,
-  answers badly or claims a partition id another node claims too is left out. Clients the
+  answers badly, claims a partition id another node claims too, or (with ``model_layout``)
+  reports a model whose parameter count or layout differs from the server's is left out,
+  with its reason in :attr:`roster_failures`, the run's Flower log and the journal's log. Clients the
   journal shows were asked in a round not committed yet stay in the roster even when not
   connected now (a resumed round is the same round; they are dropouts of what they miss).
   A node whose ClientApp has no query handler (a fed-clma ClientApp) gets a client id no
@@ -133,6 +135,9 @@ class FlowerTransport:
         client_id_of: node id -> client id instead of asking the nodes' partition ids.
         timeout / connect_timeout / node_count: override ``federation.flower``'s.
         n_params: the model length (train replies of another length are malformed).
+        model_layout: the server model's ``(n_params, digest)``
+            (:func:`clma.models.checks.model_layout`): the roster refuses a node that
+            reports another layout, or none (None: not checked).
         journal: an explicit journal (default: one in ``state_dir``).
     """
 
@@ -143,6 +148,7 @@ class FlowerTransport:
                  client_id_of: Callable[[int], int] | None = None,
                  timeout: float | None = None, connect_timeout: float | None = None,
                  node_count: int | None = None, n_params: int | None = None,
+                 model_layout: tuple[int, str] | None = None,
                  journal: ExchangeJournal | None = None) -> None:
         fl = config.flower
         self.grid = grid
@@ -153,6 +159,7 @@ class FlowerTransport:
         self.node_count = int(node_count or fl.node_count or config.clients)
         self.client_id_of = client_id_of
         self.n_params = n_params
+        self.model_layout = model_layout
         #: the strategy's ArrayLayout: fed-clma-format train replies (named arrays, no
         #: header; clma.flower.fedclma) are accepted when it is set
         self.layout: Any = None
@@ -344,8 +351,13 @@ class FlowerTransport:
             for i, r in replies.items():
                 try:
                     c = codec.decode_roster_reply(r.content, self.config.clients)
+                    layout = codec.decode_roster_layout(r.content)
                 except codec.CodecError as exc:
                     self.roster_failures[nodes[i]] = _reason(f"malformed reply: {exc}")
+                    continue
+                why = self._layout_refusal(layout)
+                if why is not None:
+                    self.roster_failures[nodes[i]] = why
                     continue
                 claims.setdefault(c, []).append(nodes[i])
         for c, ns in claims.items():
@@ -367,12 +379,32 @@ class FlowerTransport:
         self._roster = Roster(tuple(ClientInfo(c, regions[c]) for c in sorted(members)))
         self.journal.log(round=0, call="roster", status="sent", asked=len(nodes),
                          ok=len(self.node_of), failed=len(self.roster_failures),
-                         clients=sorted(self.node_of))
+                         clients=sorted(self.node_of),
+                         refused={str(n): why for n, why in sorted(self.roster_failures.items())})
+        for n, why in sorted(self.roster_failures.items()):
+            _flower_log(f"clma: roster: SuperNode {n} left out: {why}")
         _flower_log(f"clma: roster: {len(self.node_of)} of {len(nodes)} SuperNodes are "
                     f"clients {sorted(self.node_of)}"
                     + (f"; clients {self.absent} of the round in progress are not connected"
                        if self.absent else ""))
         return self._roster
+
+    def _layout_refusal(self, layout: tuple[int, str] | None) -> str | None:
+        """Why a node reporting ``layout`` cannot join (None: it can)."""
+        if self.model_layout is None:
+            return None
+        if layout is None:
+            return ("model layout: the node reports none (its clma is older than the "
+                    "server's, or its ClientApp is not CLMA's)")
+        (n_dev, d_dev), (n_srv, d_srv) = layout, self.model_layout
+        if n_dev != n_srv:
+            return (f"model layout: the node's model has {n_dev:,} parameters, the "
+                    f"server's {n_srv:,} (install the same model.factory on both)")
+        if d_dev != d_srv:
+            return ("model layout: the node's tensors differ from the server's in names, "
+                    f"shapes or dtypes ({n_dev:,} parameters on both; install the same "
+                    "model.factory on both)")
+        return None
 
     def _admit_fedclma(self, nodes: Sequence[int], claimed: set[int]) -> None:
         """Give each fed-clma-format node (no query handler) a client id nobody claimed,

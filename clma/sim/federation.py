@@ -17,7 +17,6 @@ Everything is seeded: the same config gives the same clients, training and numbe
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
@@ -25,11 +24,12 @@ from clma.config import FederationConfig
 from clma.datasets.builtin import Dataset, DatasetError, holdout_split, load_dataset
 from clma.datasets.partition import dirichlet_partition, iid_partition
 from clma.engine.state import ServerAssets
+from clma.models.checks import check_model_on_features, load_probe
 from clma.models.factory import FactoryModelSpec
+from clma.models.mlp import MLPSpec
 from clma.params import model_to_vector
 from clma.regions import PartitionError, RegionPartition, load_partition
 from clma.sim.drift import AppliedDrift, apply_drifts
-from clma.sim.models import MLPSpec
 
 __all__ = [
     "SimClient",
@@ -148,72 +148,6 @@ class SimulatedFederation:
 
     def stationary_clients(self, round_number: int) -> list[int]:
         return sorted(c for c in self.clients if not self.drifts_for(c, round_number))
-
-
-def check_model_on_features(model: Any, features: np.ndarray, n_classes: int, *,
-                            needs_relu: bool = True) -> None:
-    """The start-up check of a user's model: one forward pass on ``features`` (the probe
-    set) must give ``(P, n_classes)`` finite outputs; with divergence scoring on, the
-    forward pass must call at least one ``nn.ReLU`` module.
-
-    Raises:
-        ValueError: ``model.factory``: the model rejects the features (the error's type
-            and message, the features' shape), its output has the wrong shape or width,
-            or it has no ``nn.ReLU`` layer to read.
-    """
-    import torch
-
-    calls: list[int] = []
-    hooks = [m.register_forward_hook(lambda *_: calls.append(1))
-             for m in model.modules() if isinstance(m, torch.nn.ReLU)]
-    try:
-        model.eval()
-        with torch.no_grad():
-            out = model(torch.from_numpy(np.ascontiguousarray(features)))
-    except Exception as exc:  # noqa: BLE001 (user code)
-        raise ValueError(f"model.factory: the model rejects the features of shape "
-                         f"{tuple(features.shape[1:])} per sample ({type(exc).__name__}: "
-                         f"{exc})") from None
-    finally:
-        for h in hooks:
-            h.remove()
-    if not isinstance(out, torch.Tensor) or out.ndim != 2 or out.shape[0] != len(features):
-        shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-        raise ValueError(f"model.factory: the model must return logits of shape (N, classes) "
-                         f"(got {shape} for N = {len(features)})")
-    if out.shape[1] != n_classes:
-        raise ValueError(f"model.factory: the model's output width {out.shape[1]} does not "
-                         f"match the data's {n_classes} classes")
-    if needs_relu and not calls:
-        raise ValueError("model.factory: divergence scoring reads nn.ReLU modules and the "
-                         "model's forward pass calls none (use nn.ReLU modules, or set "
-                         "divergence.enabled = false)")
-
-
-def load_probe(path: str, sample_shape: tuple[int, ...]) -> np.ndarray:
-    """The probe set of ``[data] probe``: array ``features`` of the .npz file ``path``,
-    float32 ``(P, *sample_shape)``, finite, at least 2 samples.
-
-    Raises:
-        ValueError: ``data.probe``: unreadable, no ``features`` array, or it breaks a rule.
-    """
-    try:
-        with np.load(path, allow_pickle=False) as z:
-            if "features" not in z.files:
-                raise ValueError(f"data.probe: {path!r} has no array 'features'")
-            x = z["features"]
-    except (OSError, ValueError) as exc:
-        if str(exc).startswith("data.probe"):
-            raise
-        raise ValueError(f"data.probe: {path!r} cannot be read as an .npz file "
-                         f"({type(exc).__name__})") from None
-    if x.dtype != np.float32 or tuple(x.shape[1:]) != tuple(sample_shape) or len(x) < 2:
-        raise ValueError(f"data.probe: 'features' must be float32 of shape (P, "
-                         f"{', '.join(map(str, sample_shape))}) with P >= 2 (got {x.dtype} "
-                         f"{tuple(x.shape)})")
-    if not np.isfinite(x).all():
-        raise ValueError("data.probe: 'features' must be finite (NaN or inf found)")
-    return np.ascontiguousarray(x)
 
 
 #: The architecture of a simulated federation: the built-in MLP or the user's factory.

@@ -285,11 +285,21 @@ def test_a_simulated_federation_on_the_users_cnn_and_images(userpkg):
     assert model.shape == expected.shape and not np.array_equal(model, expected)
 
 
-def test_the_flower_transport_refuses_a_user_model_for_now(userpkg):
-    with pytest.raises(ConfigError, match="model.factory: the user's own model and data run "
-                                          "in the simulation"):
+def test_the_flower_transport_takes_a_user_model_with_a_probe_file_and_no_source(userpkg,
+                                                                                 tmp_path):
+    with pytest.raises(ConfigError, match="data.probe: a federation of real clients with "
+                                          "model.factory needs a probe file"):
         validate_config({"model": {"factory": "userfed.model:small_cnn"},
                          "federation": {"transport": "flower"}})
+    with pytest.raises(ConfigError, match="data.source: on the 'flower' transport each "
+                                          "device's data come from its SuperNode's node config"):
+        validate_config({"data": {"source": "userfed.data:images"},
+                         "federation": {"transport": "flower"}})
+    probe = tmp_path / "probe.npz"
+    np.savez(probe, features=np.zeros((4, 1, 8, 8), np.float32))
+    cfg = validate_config({"model": {"factory": "userfed.model:small_cnn"},
+                           "data": {"probe": str(probe)}, "federation": {"transport": "flower"}})
+    assert cfg.model.factory == "userfed.model:small_cnn"
 
 
 def test_start_from_saved_weights(userpkg, tmp_path):

@@ -19,6 +19,7 @@ from clma.engine.clients import (
 )
 from clma.flower import codec
 from clma.flower.clientapp import BAD_REQUEST, REFUSED, STATE_KEY, DeviceState, make_client_app
+from clma.flower.device_data import DEMO_SOURCE
 from clma.metrics import DeviceMetricLayout
 from clma.privacy.secagg import FixedPointQuantiser, SecAggConfig, SecAggServer
 from clma.sim.clients import SimulatedClients
@@ -37,7 +38,7 @@ def world():
 
 
 def _ctx(cfg, pid, state_dir=None):
-    node = {"partition-id": pid}
+    node = {"partition-id": pid, "data-source": DEMO_SOURCE}
     if state_dir is not None:
         node["state-dir"] = str(state_dir)
     return Context(run_id=7, node_id=100 + pid, node_config=node, state=RecordDict(),

@@ -15,6 +15,7 @@ from flwr.app import ConfigRecord, Error, Message, RecordDict
 from clma.engine import FederationEngine, open_budget
 from clma.flower import codec
 from clma.flower.clientapp import make_client_app
+from clma.flower.device_data import DEMO_SOURCE
 from clma.flower.journal import ExchangeJournal
 from clma.flower.transport import FlowerTransport
 from clma.sim.clients import SimulatedClients
@@ -41,7 +42,7 @@ def _budgeted(cfg, tmp: Path):
 def _grid(cfg, state_root: Path | None = None, **kw) -> LoopbackGrid:
     nodes = {}
     for i in range(cfg.clients):
-        nodes[1000 + i] = {"partition-id": i}
+        nodes[1000 + i] = {"partition-id": i, "data-source": DEMO_SOURCE}
         if state_root is not None:
             nodes[1000 + i]["state-dir"] = str(state_root / f"node{i}")
     return LoopbackGrid(make_client_app(), nodes, run_config={"config-json": cfg.model_dump_json()},

@@ -142,7 +142,8 @@ def test_the_app_folder_is_a_valid_flower_app():
     for ref in comps.values():
         ok, why = validate(ref, project_dir=app)
         assert ok, why
-    assert set(doc["tool"]["flwr"]["app"]["config"]) == {"config-json", "job", "federation-id"}
+    assert set(doc["tool"]["flwr"]["app"]["config"]) == {"config-json", "job", "federation-id",
+                                                          "model-spec"}
     assert len(build_fab_from_disk(app)) > 0
 
 

@@ -16,6 +16,7 @@ from flwr.serverapp.strategy import FedAvg
 
 from clma.engine import FederationEngine, make_cohorter, open_budget
 from clma.flower import CLMA, ArrayLayout
+from clma.flower.device_data import DEMO_SOURCE
 from clma.flower.private import PrivateEvaluation
 from clma.params import AllParams, LastLayers, ParameterAlignmentError, model_to_vector
 from clma.sim.clients import SimulatedClients
@@ -153,7 +154,8 @@ def test_constructor_options_keep_working(run_id, world, tmp_path):
     with pytest.raises(ValueError, match="secagg_corrupted_fraction"):
         PrivateEvaluation(CLMA(config=cfg), secagg_corrupted_fraction=0.6)
     # client_id_of: no roster query; param_selector reaches the engine's cohorting vector
-    nodes = {1000 + i: {"partition-id": i} for i in range(cfg.clients)}
+    nodes = {1000 + i: {"partition-id": i, "data-source": DEMO_SOURCE}
+             for i in range(cfg.clients)}
     grid = LoopbackGrid(__import__("clma.flower.clientapp", fromlist=["x"]).make_client_app(), nodes,
                         run_config={"config-json": cfg.model_dump_json()})
     strat = CLMA(config=_ledgered(cfg, tmp_path), assets=fed.assets(), min_available_nodes=6,
