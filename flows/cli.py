@@ -247,6 +247,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
             from clma.sim.federation import build_federation
 
             build_federation(cfg)
+        else:  # the server's side only: model factory, weights, probe file, partition
+            from clma.engine.assets import deployment_assets
+
+            deployment_assets(cfg)
     except (ValueError, OSError) as exc:
         print(f"clma: invalid configuration: {exc}", file=sys.stderr)
         return 2

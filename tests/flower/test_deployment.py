@@ -42,6 +42,8 @@ import pytest
 
 from clma.config import load_config, validate_config
 
+from .user_site import on_path, write_package, write_probe
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "infra" / "flower-local.sh"
 LOCAL = ROOT / "clma" / "configs" / "flower_local.toml"
@@ -278,6 +280,14 @@ def deployment(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("flower-deploy")
     port = _free_ports(1, 9600)
     d = Deployment(tmp / "run", port, _free_ports(7, port + 20), tls=tmp / "tls")
+    # every node is a site in two federations (tests/flower/user_site.py): its own data
+    # for the user's federation (test 3), the demo's simulated shard for the others; the
+    # user's package reaches the SuperNodes and the ServerApp through PYTHONPATH
+    d.site = write_package(tmp / "site")
+    d.probe = write_probe(d.site / "probe.npz")
+    d.env["CLMA_FLOWER_DATA_SOURCE"] = "siteuser.data:by_federation"
+    d.env["PYTHONPATH"] = os.pathsep.join(
+        [str(d.site), *filter(None, [os.environ.get("PYTHONPATH")])])
     t0 = time.perf_counter()
     d.start()
     d.started_in = time.perf_counter() - t0
@@ -510,7 +520,48 @@ def test_tls_and_supernode_authentication_admit_only_the_registered_nodes(
     assert scanned > 20
 
 
-# ------------------------------------------------------------------ 3: failures (last: stops a node)
+# ------------------------------------------------------------------ 3: the user's model and data
+def test_the_users_model_and_data_over_the_deployment(deployment, seeded_run,
+                                                     tmp_path_factory):
+    """A governed federation of the user's own model class (``[model] factory``, the probe
+    from a file) on the same SuperNodes, whose node config names the site's data source:
+    every node builds the server's model (the roster refuses none), trains it on its own
+    data, the devices flag their own label rotation at round 3 and the cohorts split;
+    private evaluation (OpenDP noise) on the devices' own evaluation data."""
+    d = deployment
+    tmp = tmp_path_factory.mktemp("user-model")
+    on_path(d.site)  # the config names the factory: validating it imports the module
+    try:
+        cfg = _toml(_config(tmp, "user", d.superlink, flower=d.flower(),
+                            model={"factory": "siteuser.model:site_mlp"},
+                            data={"probe": str(d.probe)}, drift={"events": []}))
+    finally:
+        import sys as _sys
+
+        _sys.path.remove(str(d.site))
+    text = cfg.read_text().replace('name = "clma-flower-local"', 'name = "siteuser-fed"')
+    cfg.write_text(text.replace("rounds = 4", "rounds = 3"))
+    r = _clma(["run", "--config", str(cfg), "--out", str(tmp / "out"), "--state-dir",
+               str(tmp / "state"), "--quiet"], _env(tmp, PYTHONPATH=d.env["PYTHONPATH"]),
+              tmp / "clma.log")
+    assert r.returncode == 0, (tmp / "clma.log").read_text()[-4000:]
+    summary = json.loads((tmp / "out" / "summary.json").read_text())
+    assert summary["federation"]["name"] == "siteuser-fed"
+    assert summary["federation"]["transport"] == "flower"
+    assert summary["federation"]["dataset"] == "device data (node config data-source)"
+    assert summary["federation"]["noise"]["source"] == "opendp"
+    roster = [x for x in _progress(tmp / "state") if x["call"] == "roster"]
+    assert [(x["asked"], x["ok"], x["refused"]) for x in roster] == [(6, 6, {})]
+    assert [x["round"] for x in summary["rounds"]] == [1, 2, 3]
+    # rounds 1-2 one cohort; round 3 the devices' own label rotations split it in three
+    assert len(summary["rounds"][1]["cohorts"]) == 1
+    assert len(summary["final_cohorts"]) == 3
+    # the global accuracy of round 2 is released (noised: its value is not asserted)
+    acc = summary["rounds"][1]["regional"]["metrics"]["accuracy"]["global"]
+    assert acc["noise_source"] == "opendp" and acc["value"] is not None, acc
+
+
+# ------------------------------------------------------------------ 4: failures (last: stops a node)
 def test_a_node_lost_mid_round_and_a_killed_orchestrator_resume_without_repeats(
         deployment, seeded_run, tmp_path_factory):
     # the shared deployment (TLS, SuperNode authentication), after the seeded run and the

@@ -126,7 +126,7 @@ def test_the_demo_assets_equal_the_simulations_without_building_it():
 SERVER_SIDE = """
 import json, sys
 from clma.config import validate_config
-import flows.flower_serverapp as app, flows.federation, flows.flower_launch
+import flows.flower_serverapp as app, flows.federation, flows.flower_launch, flows.cli, flows.serve
 from clma.flower.transport import FlowerTransport
 a = app.server_assets(validate_config(json.loads(sys.argv[1])))
 print(json.dumps({"n_params": a.n_params,

@@ -6,7 +6,9 @@ ReLU -> Linear, running statistics in the vector); ``siteuser.model:wider_mlp``:
 with another hidden width (a device with the wrong install).
 ``siteuser.data``: digits shards by the node's partition id: ``local_arrays`` (arrays;
 clients 0, 2 rotate their labels by +1 and 1, 3 by -1 from round 3), ``local_loaders``
-(torch DataLoaders), and sources that break a rule.
+(torch DataLoaders), ``by_federation`` (a site in two federations: its own data for
+``siteuser-fed``, the built-in demo's shard for the others), and sources that break a
+rule.
 """
 
 from __future__ import annotations
@@ -82,6 +84,16 @@ def local_loaders(node_config):
         torch.utils.data.TensorDataset(torch.from_numpy(ex), torch.from_numpy(ey)),
         batch_size=64)
     return train, ev
+
+
+def by_federation(node_config, federation):
+    """A site in two federations: its own data for "siteuser-fed", the built-in demo's
+    simulated shard for the others (the federation config comes from the run)."""
+    if federation.name == "siteuser-fed":
+        return local_arrays(node_config)
+    from clma.flower.demo import simulated_shard
+
+    return simulated_shard(node_config, federation)
 
 
 def wrong_width(node_config):

@@ -253,3 +253,33 @@ def test_without_prefect_names_the_server_extra(capsys, monkeypatch, argv):
     assert err.strip().splitlines() == [
         f"clma {argv[0]}: needs the server side (Prefect, MLflow), not installed here: "
         "pip install 'clma[server]'"]
+
+
+def test_a_flower_federation_of_a_users_model_is_checked_before_anything_is_submitted(
+        capsys, tmp_path, monkeypatch):
+    """The server's side of a deployment (factory, probe file) fails fast: a probe the
+    model rejects is refused with exit 2 naming the field, and no Flower run starts."""
+    import numpy as np
+
+    import flows.flower_launch
+
+    def no_launch(*args, **kwargs):  # pragma: no cover - reached only on failure
+        raise AssertionError("clma run submitted a federation despite a bad probe")
+
+    monkeypatch.setattr(flows.flower_launch, "launch", no_launch)
+    pkg = tmp_path / "cliuser"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "model.py").write_text(
+        "from torch import nn\n\ndef mlp():\n"
+        "    return nn.Sequential(nn.Linear(64, 8), nn.ReLU(), nn.Linear(8, 10))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    probe = tmp_path / "probe.npz"
+    np.savez(probe, features=np.zeros((4, 50), np.float32))  # 50 features, the model takes 64
+    cfg = _toml(tmp_path, f'[model]\nfactory = "cliuser.model:mlp"\n[data]\nprobe = "{probe}"\n'
+                          '[federation]\ntransport = "flower"\n')
+    rc, out, err = _run(capsys, tmp_path, "--config", cfg)
+    assert rc == 2 and out == ""
+    assert err.startswith("clma: invalid configuration: model.factory: the model rejects the "
+                          "features of shape (50,) per sample"), err
+    assert not (tmp_path / "out").exists()
