@@ -95,3 +95,12 @@ def test_with_tls_authentication_is_on_unless_turned_off(tmp_path):
     assert "mode 640" not in off.stderr
     assert off.returncode == 1 and "SuperLink exited during start-up" in off.stderr, off.stderr
     assert not list((tmp_path / "run").glob("*.pid"))
+
+
+@pytest.mark.parametrize("value", ["mysite.data", "mysite.data:f:g", "my site:f", ":f",
+                                   "mysite.data:", "a;rm -rf x:f"])
+def test_a_data_source_that_is_not_module_function_is_refused(tmp_path, value):
+    r = _run(tmp_path / "run", "start", "1", CLMA_FLOWER_DATA_SOURCE=value)
+    assert r.returncode == 1
+    assert f"CLMA_FLOWER_DATA_SOURCE='{value}': must be package.module:function" in r.stderr
+    assert not (tmp_path / "run").exists()
