@@ -135,7 +135,7 @@ class DataConfig(_Strict):
         return self
 
 
-DriftKind = Literal["label_rotation", "gaussian_noise", "rotation", "blur"]
+DriftKind = Literal["label_rotation", "gaussian_noise", "rotation", "blur", "feature_scale"]
 
 
 class DriftEvent(_Strict):
@@ -144,8 +144,9 @@ class DriftEvent(_Strict):
     ``label_rotation`` is concept drift: labels y -> (y + shift) mod n_classes, where the
     sign of ``shift`` gives the family's direction (+k and -k are opposite families).
     ``gaussian_noise`` (``magnitude`` = noise std on [0, 1] pixels), ``rotation``
-    (``magnitude`` = degrees) and ``blur`` (``magnitude`` = Gaussian filter sigma in pixels)
-    are covariate drift. ``family`` names the ground-truth group for the simulation's
+    (``magnitude`` = degrees), ``blur`` (``magnitude`` = Gaussian filter sigma in pixels)
+    and ``feature_scale`` (every feature times ``magnitude``: a recalibrated instrument;
+    any features, tabular too) are covariate drift. ``family`` names the ground-truth group for the simulation's
     adjusted-Rand-index report.
     """
 

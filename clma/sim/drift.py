@@ -8,8 +8,11 @@
   (``scipy.ndimage.rotate``, bilinear, same shape).
 - ``blur`` (covariate): Gaussian filter with sigma ``magnitude`` pixels on the spatial axes
   (``scipy.ndimage.gaussian_filter``).
+- ``feature_scale`` (covariate, any features): x -> magnitude * x, every feature of every
+  sample -- a site whose instrument changed its calibration (tabular or images).
 
-Images are ``(n, c, h, w)`` float32 in [0, 1]; labels ``(n,)`` int64.
+Images are ``(n, c, h, w)`` float32 in [0, 1]; labels ``(n,)`` int64. ``feature_scale``
+takes features of any shape ``(n, ...)``.
 """
 
 from __future__ import annotations
@@ -40,7 +43,8 @@ def rotate_labels(labels: np.ndarray, shift: int, n_classes: int) -> np.ndarray:
 
 
 def transform_images(images: np.ndarray, drift: AppliedDrift) -> np.ndarray:
-    """Apply one covariate drift to ``images`` ``(n, c, h, w)``; returns a new float32 array."""
+    """Apply one covariate drift to ``images`` ``(n, c, h, w)`` (``feature_scale``: any
+    ``(n, ...)``); returns a new float32 array."""
     if drift.kind == "gaussian_noise":
         rng = np.random.default_rng(drift.noise_seed)
         noisy = images + rng.normal(0.0, drift.magnitude, size=images.shape).astype(np.float32)
@@ -49,6 +53,8 @@ def transform_images(images: np.ndarray, drift: AppliedDrift) -> np.ndarray:
         out = ndimage.rotate(images, drift.magnitude, axes=(2, 3), reshape=False, order=1,
                              mode="constant", cval=0.0)
         return np.clip(out, 0.0, 1.0).astype(np.float32)
+    if drift.kind == "feature_scale":
+        return (images * np.float32(drift.magnitude)).astype(np.float32)
     if drift.kind == "blur":
         out = ndimage.gaussian_filter(images, sigma=(0, 0, drift.magnitude, drift.magnitude))
         return out.astype(np.float32)

@@ -209,7 +209,7 @@ def build_federation(config: FederationConfig) -> SimulatedFederation:
                 f"drift.events[{i}].shift: a rotation by a multiple of the number of classes "
                 f"({dataset.n_classes}) changes no label"
             )
-        if ev.kind != "label_rotation" and dataset.images.ndim != 4:
+        if ev.kind not in ("label_rotation", "feature_scale") and dataset.images.ndim != 4:
             raise ValueError(f"drift.events[{i}].kind: {ev.kind!r} drifts images; the "
                              "features of data.source are not images (N, C, H, W)")
     spec: ModelSpec = (FactoryModelSpec(config.model.factory) if config.model.factory

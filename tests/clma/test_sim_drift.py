@@ -114,3 +114,43 @@ def test_transform_rejects_label_rotation_and_apply_orders_drifts():
     xo, yo = apply_drifts(x, y, drifts, 10)
     np.testing.assert_allclose(xo, np.rot90(x, k=2, axes=(2, 3)), atol=1e-6)
     np.testing.assert_array_equal(yo, [9, 0])
+
+
+def test_feature_scale_multiplies_every_feature_of_any_shape():
+    from clma.sim.drift import AppliedDrift, apply_drifts
+
+    tab = np.random.default_rng(0).normal(size=(5, 30)).astype(np.float32)
+    y = np.arange(5, dtype=np.int64)
+    d = AppliedDrift(3, "feature_scale", "recalibrated", magnitude=3.0)
+    x2, y2 = apply_drifts(tab, y, [d], 2)
+    np.testing.assert_array_equal(x2, tab * np.float32(3.0))
+    assert x2.dtype == np.float32 and (y2 == y).all() and x2 is not tab
+    img = np.full((2, 1, 4, 4), 0.5, np.float32)  # images too (not clipped to [0, 1])
+    x3, _ = apply_drifts(img, y[:2], [d, d], 10)
+    np.testing.assert_array_equal(x3, np.full_like(img, 4.5))
+
+
+def test_feature_scale_is_the_one_covariate_drift_for_tabular_sources(tmp_path, monkeypatch):
+    import pytest
+
+    from clma.config import validate_config
+    from clma.sim.federation import build_federation
+
+    (tmp_path / "tabsrc.py").write_text(
+        "import numpy as np\n\ndef load():\n"
+        "    rng = np.random.default_rng(0)\n"
+        "    return rng.normal(size=(200, 6)).astype(np.float32), rng.integers(0, 2, 200)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    base = {"clients": 4, "rounds": 2, "data": {"source": "tabsrc:load", "probe_size": 8}}
+    ev = {"round": 2, "clients": [0], "family": "f", "magnitude": 2.0}
+    fed = build_federation(validate_config(
+        {**base, "drift": {"events": [{**ev, "kind": "feature_scale"}]}}))
+    cl = fed.clients[0]
+    cl.drifts = fed.drifts_for(0, 2)
+    np.testing.assert_array_equal(cl.current()[0], cl.train_x * np.float32(2.0))
+    with pytest.raises(ValueError, match=r"drift.events\[0\].kind: 'blur' drifts images"):
+        build_federation(validate_config(
+            {**base, "drift": {"events": [{**ev, "kind": "blur"}]}}))
+    with pytest.raises(ValueError, match="feature_scale needs a positive 'magnitude'"):
+        validate_config({**base, "drift": {"events": [{**ev, "kind": "feature_scale",
+                                                       "magnitude": 0.0}]}})
