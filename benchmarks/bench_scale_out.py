@@ -206,7 +206,7 @@ def run_flower(cfg, cfg_path: Path) -> dict[str, float]:
     def learner(context: Context):
         import torch
 
-        from clma.flower.learner import digits_learner
+        from clma.sim.demo import digits_learner
 
         torch.set_num_threads(1)
         pid = int(context.node_config["partition-id"])

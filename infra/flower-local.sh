@@ -38,7 +38,7 @@
 #   CLMA_FLOWER_AUTH       SuperNode authentication, true or false (default: true with TLS;
 #                          true without TLS is refused)
 #   CLMA_FLOWER_DATA_SOURCE  every node's data source, "package.module:function"
-#                          (default clma.flower.demo:simulated_shard, the built-in demo)
+#                          (default clma.sim.demo:simulated_shard, the built-in demo)
 #   CLMA_FLOWER_NODE_CONFIG  more node config entries for every node, e.g. "site-dir='/data'"
 #   CLMA_VENV              venv holding flwr and clma (default <project>/.venv)
 #   CLMA_START_TIMEOUT     seconds to wait for each process (default 120)
@@ -52,7 +52,7 @@ HOST="${CLMA_FLOWER_HOST:-127.0.0.1}"
 PORT="${CLMA_FLOWER_PORT:-9093}"
 NODE_PORT="${CLMA_FLOWER_NODE_PORT:-9110}"
 TLS="${CLMA_FLOWER_TLS:-}"
-DATA_SOURCE="${CLMA_FLOWER_DATA_SOURCE:-clma.flower.demo:simulated_shard}"
+DATA_SOURCE="${CLMA_FLOWER_DATA_SOURCE:-clma.sim.demo:simulated_shard}"
 NODE_EXTRA="${CLMA_FLOWER_NODE_CONFIG:-}"
 case "$DATA_SOURCE" in
     *[!A-Za-z0-9_.:]*|*:*:*|:*|*:|"") die "CLMA_FLOWER_DATA_SOURCE='$DATA_SOURCE': must be package.module:function" ;;

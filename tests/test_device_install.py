@@ -32,7 +32,7 @@ DEVICE_MODULES = [
     "clma.device", "clma.drift", "clma.params", "clma.metrics", "clma.release",
     "clma.privacy.secagg", "clma.sim.models", "clma.sim.training", "clma.sim.federation",
     "clma.sim.clients", "clma.config", "clma.flower.clientapp", "clma.flower.codec",
-    "clma.flower.learner", "clma.flower.device_data", "clma.flower.demo", "clma.models.checks",
+    "clma.flower.learner", "clma.flower.device_data", "clma.sim.demo", "clma.models.checks",
     "flwr.clientapp", "torch",
 ]
 

@@ -30,7 +30,7 @@ _EXPORTS = {
     "FlowerTransport": "clma.flower.transport",
     "make_client_app": "clma.flower.clientapp",
     "TorchLearner": "clma.flower.learner",
-    "digits_learner": "clma.flower.learner",
+    "digits_learner": "clma.sim.demo",
 }
 
 __all__ = sorted(_EXPORTS)

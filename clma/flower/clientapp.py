@@ -42,7 +42,7 @@ The default factory, :func:`default_learner_factory`, builds the model the serve
 the run config (``model-spec``: the federation's ``[model] factory``, imported on the
 device, or the built-in MLP) over the data of the node config's ``data-source``
 (:mod:`clma.flower.device_data`); the built-in demo is
-``data-source='clma.flower.demo:simulated_shard'``. A data source that does not import or
+``data-source='clma.sim.demo:simulated_shard'``. A data source that does not import or
 returns data of the wrong shape gets an error reply (:data:`DEVICE_ERROR`) naming
 ``node config 'data-source'``; the server records it as that node's failure.
 """
@@ -163,7 +163,7 @@ def federation_of(context: Context) -> str:
 def digits_learner_factory(context: Context) -> Any:
     """The built-in demo's learner whatever the node config says: the simulated digits
     client of the node's ``partition-id`` in the run's federation (``config-json``) --
-    the default factory with ``data-source = clma.flower.demo:simulated_shard``
+    the default factory with ``data-source = clma.sim.demo:simulated_shard``
     (:func:`clma.flower.device_data.device_learner_factory`)."""
     from clma.flower.device_data import DATA_SOURCE, DEMO_SOURCE, device_learner_factory
 

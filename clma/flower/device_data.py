@@ -31,7 +31,7 @@ the ClientApp answers them with an error reply, which the server records as that
 failure in that exchange while the other nodes go on. Values are never quoted.
 
 The built-in demo -- the simulated digits client of the node's partition id -- is one such
-source: ``data-source='clma.flower.demo:simulated_shard'`` (:mod:`clma.flower.demo`).
+source: ``data-source='clma.sim.demo:simulated_shard'`` (:mod:`clma.sim.demo`).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ __all__ = ["DATA_SOURCE", "DEMO_SOURCE", "DeviceData", "device_learner",
 #: The node config key naming the device's data source.
 DATA_SOURCE = "data-source"
 #: The built-in demo's data source (the simulated digits client of the node).
-DEMO_SOURCE = "clma.flower.demo:simulated_shard"
+DEMO_SOURCE = "clma.sim.demo:simulated_shard"
 _FIELD = f"node config '{DATA_SOURCE}'"
 
 

@@ -1,7 +1,7 @@
 """A device's model and data for the ClientApp: :class:`TorchLearner` over a user's torch
 model factory and data loaders (a SuperNode's node config ``data-source`` builds one,
-:mod:`clma.flower.device_data`), and :func:`digits_learner`, the simulated digits clients
-of the built-in demo as one use of it.
+:mod:`clma.flower.device_data`; the built-in demo's digits clients are
+:func:`clma.sim.demo.digits_learner`).
 
 :class:`TorchLearner` implements :class:`clma.device.LocalLearner`. Models travel as the
 float32 vector of the model's full state (``clma.params.AllParams``: parameters and
@@ -32,7 +32,7 @@ import numpy as np
 from clma.device import LocalFit
 from clma.engine.clients import TrainSettings
 
-__all__ = ["SeededBatches", "TorchLearner", "digits_learner", "simulated_client"]
+__all__ = ["SeededBatches", "TorchLearner"]
 
 Loader = Iterable[Any] | Callable[[int], Iterable[Any]]
 
@@ -146,100 +146,3 @@ class SeededBatches:
         for start in range(0, n, self.batch_size):
             idx = order[start:start + self.batch_size]
             yield self.x[idx], self.y[idx]
-
-
-def _shard_key(config: Any, partition_id: int) -> str:
-    """What a client's shard depends on: the seed, the number of clients and the data and
-    model sections (not the drift schedule: drift is applied per round)."""
-    import hashlib
-    import json
-
-    d = config.model_dump(mode="json")
-    doc = {"seed": d["seed"], "clients": d["clients"], "model": d["model"],
-           "data": {k: v for k, v in d["data"].items() if k != "region_partition"},
-           "client": int(partition_id), "format": 1}
-    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:24]
-
-
-def _device_view(config: Any, partition_id: int, cache_dir: Any) -> Any:
-    """The simulated world as one device sees it: its own shard only (from the device's
-    cache when there is one), the architecture and the drift schedule of the config."""
-    import os
-    from pathlib import Path
-
-    from clma.sim.federation import SimClient, SimulatedFederation, build_federation
-    from clma.sim.models import MLPSpec
-
-    path = None
-    if cache_dir is not None:
-        path = Path(cache_dir) / f"digits-shard-{_shard_key(config, partition_id)}.npz"
-        if path.exists():
-            try:
-                with np.load(path, allow_pickle=False) as z:
-                    cl = SimClient(int(partition_id), "-", z["train_x"], z["train_y"],
-                                   z["eval_x"], z["eval_y"], int(z["n_classes"]))
-                    spec = MLPSpec(int(z["n_features"]), tuple(config.model.hidden),
-                                   int(z["n_classes"]))
-                    name = str(z["dataset"])
-                return SimulatedFederation(config, spec, {cl.client_id: cl}, None, None, None,
-                                           None, None, None, name)
-            except (OSError, ValueError, KeyError):
-                pass  # a torn cache file: build it again
-    fed = build_federation(config)
-    if partition_id not in fed.clients:
-        raise ValueError(f"partition-id: must be in [0, {config.clients}) for this federation")
-    cl = fed.clients[partition_id]
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        with open(tmp, "wb") as f:
-            np.savez(f, train_x=cl.train_x, train_y=cl.train_y, eval_x=cl.eval_x,
-                     eval_y=cl.eval_y, n_classes=cl.n_classes,
-                     n_features=fed.spec.n_features, dataset=fed.dataset_name)
-        os.replace(tmp, path)
-    return SimulatedFederation(config, fed.spec, {partition_id: cl}, None, None, None, None,
-                               None, None, fed.dataset_name)
-
-
-def simulated_client(config: Any, partition_id: Any, cache_dir: Any = None) -> Any:
-    """The simulated client ``partition_id`` of ``config``'s federation as the device sees it
-    (:class:`clma.sim.clients.SimLearner` over its own shard only; the shard kept in
-    ``cache_dir`` as ``.npz`` when given).
-
-    Raises:
-        ValueError: ``partition_id`` is not a client of the federation.
-    """
-    from clma.sim.clients import SimLearner
-
-    if isinstance(partition_id, bool) or not isinstance(partition_id, int) or not (
-            0 <= partition_id < config.clients):
-        raise ValueError(f"partition-id: must be in [0, {config.clients}) for this federation")
-    fed = _device_view(config, int(partition_id), cache_dir)
-    return SimLearner(fed, fed.clients[int(partition_id)])
-
-
-def digits_learner(config: Any, partition_id: int, cache_dir: Any = None) -> TorchLearner:
-    """The simulated client ``partition_id`` of ``config``'s federation (its data shard,
-    drifted by the config's schedule as of the round asked) as a :class:`TorchLearner`:
-    the built-in demo's data source (:func:`clma.flower.demo.simulated_shard`) under the
-    ClientApp's learner (:func:`clma.flower.device_data.device_learner`), bit-identical to
-    the in-process simulation's client (:class:`clma.sim.clients.SimLearner`).
-
-    ``cache_dir``: the device's own folder; its shard is kept there (``.npz``) so later
-    messages skip building the data set (a ClientApp process starts for every message).
-
-    Raises:
-        ValueError: ``partition_id`` is not a client of the federation.
-    """
-    from clma.flower.demo import simulated_shard
-    from clma.flower.device_data import DeviceData, device_learner
-    from clma.models.checks import model_spec_of
-
-    node = {"partition-id": int(partition_id)}
-    if cache_dir is not None:
-        node["state-dir"] = str(cache_dir)
-    parts = simulated_shard(node, config)
-    spec = model_spec_of(config)
-    return device_learner(spec.build, DeviceData(parts["train"], parts["eval"]),
-                          seed=config.seed, partition_id=int(partition_id),
-                          batch_size=config.training.batch_size)

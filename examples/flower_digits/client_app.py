@@ -27,7 +27,7 @@ def make_client_app(config_path: str | None = None) -> ClientApp:
     """A ClientApp bound to ``config_path`` (None: the run config's ``config-path``)."""
 
     def learner(context: Context) -> Any:
-        from clma.flower.learner import digits_learner
+        from clma.sim.demo import digits_learner
 
         cfg = config_from(context.run_config, config_path)
         pid = int(context.node_config["partition-id"])

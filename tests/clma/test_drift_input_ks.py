@@ -430,8 +430,8 @@ def test_the_device_error_names_drift_detector_and_leaves_the_history():
 
 
 def test_the_torch_learner_gives_the_simulations_training_inputs():
-    from clma.flower.learner import digits_learner
     from clma.sim.clients import SimLearner
+    from clma.sim.demo import digits_learner
 
     cfg, fed = _cov_federation()
     learner = digits_learner(cfg, 1)

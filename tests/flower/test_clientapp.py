@@ -215,8 +215,8 @@ def test_secure_aggregation_through_the_handlers_sums_the_clipped_reports(run_id
 
 def test_the_digits_learner_is_the_simulations_device_with_or_without_its_cache(world, tmp_path):
     cfg, fed = world
-    from clma.flower.learner import digits_learner
     from clma.sim.clients import SimLearner
+    from clma.sim.demo import digits_learner
 
     for attempt in ("built", "cached"):
         learner = digits_learner(cfg, 3, cache_dir=tmp_path)

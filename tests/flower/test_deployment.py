@@ -302,7 +302,7 @@ def deployment(tmp_path_factory):
              "--superlink", d.superlink, "--host", "127.0.0.1", "--port",
              str(d.node_port + d.n), "--auth-supernode-private-key", str(home / "key"),
              "--node-config", f"partition-id=0 num-partitions=6 state-dir='{home / 'state'}' "
-             "data-source='clma.flower.demo:simulated_shard'"],
+             "data-source='clma.sim.demo:simulated_shard'"],
             env=dict(d.env, FLWR_HOME=str(home), PATH=f"{Path(VENV) / 'bin'}:{os.environ['PATH']}"),
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True)

@@ -91,7 +91,7 @@ def by_federation(node_config, federation):
     simulated shard for the others (the federation config comes from the run)."""
     if federation.name == "siteuser-fed":
         return local_arrays(node_config)
-    from clma.flower.demo import simulated_shard
+    from clma.sim.demo import simulated_shard
 
     return simulated_shard(node_config, federation)
 
