@@ -110,9 +110,19 @@ def select_clients(
     return sorted(int(c) for c in rng.choice(ids, size=k, replace=False))
 
 
-def quarantine(updates: Sequence[ClientUpdate]) -> list[int]:
-    """Client ids whose on-device drift flag is set (sorted)."""
-    return sorted(u.client_id for u in updates if u.drift_flag)
+def quarantine(updates: Sequence[ClientUpdate],
+               registry: CohortRegistry | None = None) -> list[int]:
+    """Client ids whose on-device drift flag is set (sorted).
+
+    With ``registry``, a flagged client that is the only member of its cohort is not
+    quarantined: there is no one to separate it from, and a "split" would only rename its
+    cohort (a new single-client cohort every round it flags). Its update is aggregated
+    into its own cohort as any other (its model follows the drift); the flag still counts.
+    """
+    flagged = [u for u in updates if u.drift_flag]
+    if registry is not None:
+        flagged = [u for u in flagged if len(registry.members(u.cohort_id)) > 1]
+    return sorted(u.client_id for u in flagged)
 
 
 def fedavg(vectors: Sequence[np.ndarray], weights: Sequence[float]) -> np.ndarray:

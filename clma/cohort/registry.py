@@ -6,8 +6,10 @@ cohort (never reused). A client belongs to exactly one active cohort at a time. 
 * ``create_root(members, round)``: a new cohort with no parent (round 0: the federation).
 * ``split(parent_id, groups, round, reason)``: each group of the parent's members becomes a
   new child cohort (the CLMA quarantine: the cohorter's local groups); members not named
-  stay in the parent; a parent left empty is ``retired``.
-* ``move(client, cohort_id, round, reason)`` / ``assign``: one client changes cohort.
+  stay in the parent; a parent left empty is ``retired`` (a ``retire`` lineage event
+  follows the split's).
+* ``move(client, cohort_id, round, reason)`` / ``assign``: one client changes cohort; a
+  source left empty is ``retired`` (with its ``retire`` event).
 * ``merge(ids, round, reason)``: the cohorts become one new cohort whose parents are all of
   them; the sources are marked ``merged``.
 * ``record_round(round)``: snapshot of the active cohorts' members for that round.
@@ -171,6 +173,13 @@ class CohortRegistry:
         rec.status = status
         rec.ended_round = round_
 
+    def _retire_emptied(self, rec: CohortRecord, round_: int, reason: str) -> None:
+        """End a cohort a split or a move left without members, with its ``retire``
+        lineage event (after the event that emptied it)."""
+        self._end(rec, "retired", round_)
+        self._lineage.append(LineageEvent(kind="retire", round=round_,
+                                          parents=[rec.cohort_id], reason=reason))
+
     def create_root(self, members: Iterable[ClientId], round: int = 0,  # noqa: A002
                     reason: str = "initial cohort") -> int:
         """Create a parentless cohort of clients not yet in any cohort; returns its id."""
@@ -193,7 +202,8 @@ class CohortRegistry:
         ``groups`` maps a local group id (e.g. ``CohortAssignment.groups_by_cohort()``) to
         member clients, all current members of ``parent_id``. Returns local id -> new global
         id (children created in ascending local id). Members not in any group stay in the
-        parent; an emptied parent becomes ``retired``.
+        parent; an emptied parent becomes ``retired``, recorded by a ``retire`` lineage event
+        (reason "emptied by a split") after the split's.
         """
         r = _check_round(round)
         parent = self._active(parent_id, "parent_id")
@@ -221,13 +231,14 @@ class CohortRegistry:
                                           children=list(mapping.values()), clients=moved,
                                           reason=reason))
         if not parent.members:
-            self._end(parent, "retired", r)
+            self._retire_emptied(parent, r, "emptied by a split")
         return mapping
 
     def move(self, client: ClientId, cohort_id: int, round: int,  # noqa: A002
              reason: str = "reassigned") -> None:
         """Move one client into an existing active cohort (a client new to the registry is
-        simply added). An emptied source cohort becomes ``retired``."""
+        simply added). An emptied source cohort becomes ``retired``, recorded by a
+        ``retire`` lineage event (reason "emptied by a move") after the move's."""
         r = _check_round(round)
         _check_client(client)
         target = self._active(cohort_id)
@@ -243,7 +254,7 @@ class CohortRegistry:
             kind="move", round=r, parents=[] if source_id is None else [source_id],
             children=[cohort_id], clients=[client], reason=reason))
         if source_id is not None and not self._cohorts[source_id].members:
-            self._end(self._cohorts[source_id], "retired", r)
+            self._retire_emptied(self._cohorts[source_id], r, "emptied by a move")
 
     assign = move
 

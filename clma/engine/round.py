@@ -326,10 +326,12 @@ class FederationEngine:
 
     # ---------------------------------------------------------------- 3. quarantine
     def detect_drift(self, ctx: RoundContext) -> list[int]:
-        """Quarantine flagged clients (none when cohorting is off); the first quarantine
+        """Quarantine flagged clients (none when cohorting is off; a client alone in its
+        cohort is not quarantined: :func:`clma.rounds.quarantine`); the first quarantine
         of the federation fixes the merge reference (the start model of the first
         quarantined client's cohort)."""
-        ctx.quarantined = quarantine(ctx.updates) if self.config.cohort.enabled else []
+        ctx.quarantined = (quarantine(ctx.updates, self.state.registry)
+                          if self.config.cohort.enabled else [])
         if ctx.quarantined and self.state.merge_reference is None:
             held = set(ctx.quarantined)
             first = next(u.cohort_id for u in ctx.updates if u.client_id in held)

@@ -72,6 +72,22 @@ def test_emptied_parent_is_retired() -> None:
     reg.create_root(["a", "b"], 0)
     reg.split(0, {0: ["a"], 1: ["b"]}, round=2)
     assert reg.cohort(0).status == "retired" and reg.active_cohorts() == [1, 2]
+    # the retirement is in the lineage, after the split that emptied the cohort
+    kinds = [(e.kind, e.round, e.parents, e.children, e.reason) for e in reg.lineage]
+    assert kinds[1:] == [("split", 2, [0], [1, 2], "drift"),
+                         ("retire", 2, [0], [], "emptied by a split")]
+
+
+def test_cohort_emptied_by_a_move_is_retired_in_the_lineage() -> None:
+    reg = CohortRegistry()
+    reg.create_root(["a", "b"], 0)
+    reg.split(0, {0: ["a"]}, round=2)  # "b" stays in 0
+    reg.move("a", 0, round=3, reason="manual")
+    assert reg.cohort(1).status == "retired" and reg.cohort(1).ended_round == 3
+    assert [(e.kind, e.parents, e.children, e.reason) for e in reg.lineage[2:]] == [
+        ("move", [1], [0], "manual"), ("retire", [1], [], "emptied by a move")]
+    back = CohortRegistry.from_dict(json.loads(json.dumps(reg.to_dict())))
+    assert back.lineage == reg.lineage
 
 
 @pytest.mark.parametrize("op, match", [

@@ -180,6 +180,33 @@ def test_cohort_quarantined_splits_opposite_families_with_lineage():
     assert outcome.diagnostics[0] == {"n_quarantined": 6, "n_groups": 2, "n_atypical": 0}
 
 
+def test_a_client_alone_in_its_cohort_is_not_split_into_a_new_cohort():
+    """Reproducer (issue 46): a flagged client that is its cohort's only member was
+    "split" into a new single-client cohort, every round it flagged. Now it is not
+    quarantined: its cohort keeps its id and its model is the client's update."""
+    rng = np.random.default_rng(5)
+    start = rng.normal(size=N_PARAMS).astype(np.float32)
+    reg = CohortRegistry()
+    reg.create_root(list(range(4)), 0)
+    reg.split(0, {0: [3]}, round=2)  # cohort 1 = [3]
+    ups = [_u(0, 0, start + 0.01 * rng.normal(size=N_PARAMS)),
+           _u(1, 0, start + 0.01 * rng.normal(size=N_PARAMS)),
+           _u(2, 0, start - 1.0, flag=True),  # flagged, with cohort-mates
+           _u(3, 1, start + 1.0 + rng.normal(size=N_PARAMS), n=12, flag=True)]  # alone
+    assert quarantine(ups) == [2, 3]  # without the registry: every flag
+    held = quarantine(ups, reg)
+    assert held == [2]  # client 3 is alone in cohort 1; client 2 has cohort-mates
+    starts = {0: start, 1: start}
+    models = aggregate_per_cohort(ups, held, starts)
+    np.testing.assert_array_equal(models[1], ups[3].params)  # its update, FedAvg of one
+    lineage_before = len(reg.lineage)
+    models, outcome = cohort_quarantined(ups, held, models, reg, CLMACohorter(),
+                                         round_number=3, start_models=starts)
+    assert reg.cohort_of(3) == 1 and reg.cohort(1).status == "active"
+    assert all(3 not in m for m in outcome.new_cohorts.values())
+    assert [e.clients for e in reg.lineage[lineage_before:] if e.kind == "split"] == [[2]]
+
+
 def _split(weights=None, atypical=(), new_model=None):
     start, ups, post = _families()
     reg = CohortRegistry()
