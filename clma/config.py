@@ -13,6 +13,7 @@ below (e.g. 20 clients and no drift events), not the embedded default's values.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import tomllib
@@ -37,8 +38,11 @@ from clma.drift.river_detectors import ADWINParams, PageHinkleyParams
 from clma.drift.spec import DetectorSpec
 
 __all__ = [
+    "COHORT_METHODS",
     "CONFIG_ADDITIONS",
     "config_hash",
+    "with_cohort_method",
+    "with_legacy_additions",
     "without_additions",
     "ConfigError",
     "DataConfig",
@@ -272,14 +276,15 @@ class TrainingConfig(_Strict):
         default=1.0, description="Fraction of clients selected per round (seeded)."
     )
     server_learning_rate: Annotated[float, Field(gt=0.0, le=10.0)] = Field(
-        default=1.0, description="Server step on each existing cohort's model: start + "
+        default=1.5, description="Server step on each existing cohort's model: start + "
         "server_learning_rate * (aggregate - start) (FedOpt's server learning rate, Reddi "
         "et al., ICLR 2021, Algorithm 1 with SGD as the server optimizer; 1 = FedAvg). "
         "New and merged cohorts start from their members' aggregate. Under DP-FedAvg the "
-        "step post-processes the noisy aggregate (no privacy cost)."
+        "step post-processes the noisy aggregate (no privacy cost). Default 1.5 on drift "
+        "cohorts (cohort.method = 'improved'); 1.0 = FedAvg with cohort.method = 'paper'."
     )
     server_learning_rate_scope: Literal["all", "drift_cohorts"] = Field(
-        default="all", description="Which cohorts take the server step: 'all' (every "
+        default="drift_cohorts", description="Which cohorts take the server step: 'all' (every "
         "existing cohort) or 'drift_cohorts' (only cohorts with a parent in the cohort "
         "registry: formed from drifted clients by a split, or by a merge, so a merge with "
         "the federation's first cohort steps its clients too; parentless cohorts such as "
@@ -335,12 +340,56 @@ class BudgetConfig(_Strict):
     )
 
 
+#: The fields each ``cohort.method`` sets when the config does not set them itself (the
+#: "improved" values are the fields' defaults). "paper": CLMA Algorithm 3's component rule
+#: and signed-KS direction groups, FedAvg on every cohort (CODS-COMAD 2024), with the
+#: library's centering and silhouette-chosen k; "improved": broken-stick components, one
+#: group for all quarantined clients, the leading-component split and FedOpt's server
+#: step on drift cohorts (docs/realistic_drift.md: what fails under label skew and why).
+COHORT_METHODS: dict[str, dict[str, Any]] = {
+    "improved": {"cohort.components": "broken_stick", "cohort.direction_rule": "none",
+                 "cohort.leading_split_alpha": 0.01,
+                 "training.server_learning_rate": 1.5,
+                 "training.server_learning_rate_scope": "drift_cohorts"},
+    "paper": {"cohort.components": "variance", "cohort.direction_rule": "auto",
+              "cohort.leading_split_alpha": None,
+              "training.server_learning_rate": 1.0,
+              "training.server_learning_rate_scope": "all"},
+}
+
+
+def with_cohort_method(data: Mapping[str, Any], method: str) -> dict[str, Any]:
+    """A copy of the config mapping ``data`` (e.g. a ``model_dump()``) running ``method``:
+    ``cohort.method`` and every field of :data:`COHORT_METHODS` set to the method's values
+    (replacing values ``data`` holds). Raises ValueError for an unknown method."""
+    if method not in COHORT_METHODS:
+        raise ValueError(f"cohort.method: must be one of {', '.join(COHORT_METHODS)}, "
+                         f"got {method!r}")
+    out = copy.deepcopy(dict(data))
+    out.setdefault("cohort", {})["method"] = method
+    for path, value in COHORT_METHODS[method].items():
+        section, leaf = path.split(".", 1)
+        out.setdefault(section, {})[leaf] = value
+    return out
+
+
 class CohortConfig(_Strict):
     """Cohorting of quarantined clients (CLMA Algorithm 3) and cohort merging."""
 
     enabled: bool = Field(
         default=True,
         description="False = plain FedAvg: one global model, no quarantine (the baseline).",
+    )
+    method: Literal["improved", "paper"] = Field(
+        default="improved",
+        description="'improved' (default): broken-stick components, no KS direction split, "
+        "the leading-component split (alpha 0.01) and the server step 1.5 on drift cohorts: "
+        "separates drift families under label-skewed clients. 'paper': CLMA Algorithm 3's "
+        "variance rule and signed-KS direction groups with FedAvg on every cohort (the "
+        "CLMA-vs-FedAvg table and fed-clma compatibility). The method fills "
+        "cohort.components, cohort.direction_rule, cohort.leading_split_alpha, "
+        "training.server_learning_rate and training.server_learning_rate_scope where the "
+        "config does not set them (clma.config.COHORT_METHODS).",
     )
     variance_threshold: Annotated[float, Field(gt=0.0, le=1.0)] = 0.95
     center: bool = True
@@ -350,14 +399,14 @@ class CohortConfig(_Strict):
     min_silhouette: Annotated[float, Field(ge=-1.0, le=1.0)] = 0.25
     merge_cohorts_threshold: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     components: Literal["variance", "broken_stick"] = Field(
-        default="variance",
+        default="broken_stick",
         description="Principal components kept per direction group: 'variance' = the fewest "
         "reaching variance_threshold (CLMA Algorithm 3); 'broken_stick' = those above the "
         "broken-stick expectation (separates drift families under label-skewed clients; "
         "clma.cohort.cohorter, a documented departure).",
     )
     direction_rule: Literal["auto", "established", "sign", "none"] = Field(
-        default="auto",
+        default="none",
         description="Which signed-KS directions split the quarantined clients "
         "(clma.cohort.CLMACohorter): 'auto' = 'established' when centering, else 'sign' "
         "(the paper); 'none' = one group for all, used with components='broken_stick' "
@@ -371,11 +420,12 @@ class CohortConfig(_Strict):
         "component (clma.cohort.features; a documented departure).",
     )
     leading_split_alpha: Annotated[float, Field(gt=0.0, lt=1.0)] | None = Field(
-        default=None,
+        default=0.01,
         description="With components='broken_stick': a group with no component above the "
         "broken stick is split in two along its leading principal component when the "
         "exact 1-D 2-means test (clma.cohort.split, after SigClust) has p <= this level; "
-        "None = off. Separates covariate-drift families (a documented departure).",
+        "None = off (cohort.method = 'paper'). Separates covariate-drift families (a "
+        "documented departure).",
     )
     leading_split_min_size: PositiveInt = Field(
         default=5, description="Smallest group of a leading-component split (clients).")
@@ -734,12 +784,33 @@ CONFIG_ADDITIONS: tuple[tuple[str, Any], ...] = (
     ("data.source", None),
     ("model.weights", None),
     ("data.probe", None),
+    # issue 46: the default method became "improved"; a federation from before ran the paper
+    # method's fields (components, direction_rule: explicit in every stored config)
+    ("cohort.method", "paper"),
 )
 
 def config_hash(data: Mapping[str, Any]) -> str:
     """SHA-256 (hex) of the canonical JSON of ``data`` (sorted keys, no spaces)."""
     blob = json.dumps(data, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def with_legacy_additions(data: Mapping[str, Any],
+                          additions: tuple[tuple[str, Any], ...] | None = None
+                          ) -> dict[str, Any]:
+    """A copy of the config dump ``data`` (e.g. a state folder's ``config.json``) where
+    every field of ``additions`` (default :data:`CONFIG_ADDITIONS`) it lacks holds its
+    legacy value: the config a federation written before those fields ran under, not
+    today's defaults (which may differ: ``cohort.method``)."""
+    out = json.loads(json.dumps(dict(data)))
+    for path, legacy in CONFIG_ADDITIONS if additions is None else additions:
+        *parents, leaf = path.split(".")
+        node = out
+        for p in parents:
+            node = node.setdefault(p, {}) if isinstance(node, dict) else {}
+        if isinstance(node, dict):
+            node.setdefault(leaf, json.loads(json.dumps(legacy)))
+    return out
 
 
 def without_additions(data: dict[str, Any], additions: tuple[tuple[str, Any], ...]) -> dict[str, Any]:
@@ -776,6 +847,30 @@ class FederationConfig(_Strict):
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
     federation: TransportConfig = Field(default_factory=TransportConfig)
     testing: ForTestingConfig = Field(default_factory=ForTestingConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _cohort_method(cls, data: Any) -> Any:
+        """``cohort.method`` fills the fields of :data:`COHORT_METHODS` the config leaves
+        unset ("improved": the fields' defaults; "paper": the published method's)."""
+        if not isinstance(data, Mapping):
+            return data
+        cohort = data.get("cohort")
+        method = (cohort.method if isinstance(cohort, CohortConfig)
+                  else cohort.get("method") if isinstance(cohort, Mapping) else None)
+        if method != "paper":
+            return data
+        out = dict(data)
+        for section in ("cohort", "training"):
+            values = {k.split(".", 1)[1]: v for k, v in COHORT_METHODS["paper"].items()
+                      if k.startswith(section + ".")}
+            given = out.get(section)
+            if isinstance(given, BaseModel):
+                unset = {k: v for k, v in values.items() if k not in given.model_fields_set}
+                out[section] = given.model_copy(update=unset)
+            elif given is None or isinstance(given, Mapping):
+                out[section] = {**values, **dict(given or {})}
+        return out
 
     @property
     def seeded_noise(self) -> bool:

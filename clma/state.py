@@ -59,6 +59,7 @@ from typing import Any
 from clma.config import (
     CONFIG_ADDITIONS,
     FederationConfig,
+    with_legacy_additions,
 )
 from clma.config import (
     config_hash as _hash,
@@ -179,18 +180,11 @@ def config_differences(config: FederationConfig, stored: Mapping[str, Any]) -> l
     e.g. a state folder's config.json) in what :func:`resume_fingerprint` covers; names
     only, never values. A field of :data:`CONFIG_ADDITIONS` missing from ``stored`` counts
     as its legacy value."""
-    other = json.loads(json.dumps(dict(stored)))
+    other = with_legacy_additions(stored)
     for k in RESUMABLE_FIELDS:
         other.pop(k, None)
     if isinstance(other.get("budget"), dict):
         other["budget"].pop("state_dir", None)
-    for path, legacy in CONFIG_ADDITIONS:
-        *parents, leaf = path.split(".")
-        node = other
-        for p in parents:
-            node = node.setdefault(p, {}) if isinstance(node, dict) else {}
-        if isinstance(node, dict):
-            node.setdefault(leaf, json.loads(json.dumps(legacy)))
     return _differing_fields(_resume_dump(config), other)
 
 

@@ -357,13 +357,15 @@ def _failpoint(name: str, round_number: int) -> None:
 
 
 def stored_config(state_dir: str | Path) -> FederationConfig | None:
-    """The configuration a federation's state was committed with (None: no state)."""
-    from clma.config import validate_config
+    """The configuration a federation's state was committed with (None: no state); fields
+    added since it was written hold their legacy values (:func:`with_legacy_additions`:
+    the federation resumes as it ran, not under a default that changed)."""
+    from clma.config import validate_config, with_legacy_additions
 
     snap = StateStore(state_dir).load()
     if snap is None or "config.json" not in snap.files:
         return None
-    return validate_config(snap.json("config.json"))
+    return validate_config(with_legacy_additions(snap.json("config.json")))
 
 
 def state_summary(state_dir: str | Path) -> dict[str, Any]:

@@ -11,7 +11,7 @@ round) and false-flag rate (flags of clients without a drift event that round, r
 
 Scenarios (:data:`SCENARIOS`), all on the bundled default federation
 (``clma/configs/default.toml``: 60 clients, 10 rounds, digits) with ``data.partition``
-IID or Dirichlet(alpha) for alpha 5, 1, 0.5:
+IID or Dirichlet(alpha) for alpha 5, 1, 0.5, 0.3:
 
 * ``label2-<part>``: the default drift, two opposite label-rotation families of 15 (+1 / -1
   at rounds 4 and 7);
@@ -21,9 +21,11 @@ IID or Dirichlet(alpha) for alpha 5, 1, 0.5:
 * ``cov-blurrot-<part>``: at round 4, 15 clients blurred (sigma 1 pixel) and 15 rotated 30
   degrees.
 
-Methods (:data:`METHODS`): ``clma`` (today's defaults: ``cohort.components = "variance"``),
-``clma_improved`` (``cohort.components = "broken_stick"``, ``cohort.direction_rule =
-"none"``: :mod:`clma.cohort.cohorter`, "Label-skewed clients"; and
+Methods (:data:`METHODS`): ``clma`` (the paper's method, ``cohort.method = "paper"``:
+``cohort.components = "variance"``, KS direction groups, FedAvg on every cohort; the
+library default until issue 46, "CLMA (today)" in the tables), ``clma_improved`` (the
+library's default method, ``cohort.method = "improved"``: ``cohort.components =
+"broken_stick"``, ``cohort.direction_rule = "none"``: :mod:`clma.cohort.cohorter`, "Label-skewed clients"; and
 ``cohort.leading_split_alpha = 0.01``: :mod:`clma.cohort.split`; and
 ``training.server_learning_rate = 1.5`` with ``server_learning_rate_scope =
 "drift_cohorts"``: FedOpt's server step on the cohorts formed from drifted clients,
@@ -65,7 +67,7 @@ from typing import Any
 
 import numpy as np
 
-from clma.config import ConfigError, FederationConfig, validate_config
+from clma.config import ConfigError, FederationConfig, validate_config, with_cohort_method
 
 __all__ = [
     "DESCRIPTION",
@@ -100,7 +102,7 @@ IMPROVED_SERVER_LEARNING_RATE = 1.5
 METHOD_LABELS = {"clma": "CLMA (today)", "clma_improved": "CLMA (improved)", "cfl": "CFL",
                  "ifca": "IFCA", "fedavg": "FedAvg"}
 DETECTORS = ("loss_threshold", "cusum", "page_hinkley", "adwin", "input_ks")
-PARTITIONS = {"iid": None, "a5": 5.0, "a1": 1.0, "a05": 0.5}
+PARTITIONS = {"iid": None, "a5": 5.0, "a1": 1.0, "a05": 0.5, "a03": 0.3}
 FAMILIES = ("label2", "label3", "cov-rotnoise", "cov-blurrot")
 SCENARIOS = tuple(f"{f}-{p}" for f in FAMILIES for p in PARTITIONS)
 
@@ -159,15 +161,20 @@ def method_config(config: FederationConfig, method: str, seed: int,
     peers take the scenario config as is) with ``seed`` and optionally ``detector``."""
     data = config.model_dump()
     data["seed"] = int(seed)
-    if method == "clma_improved":
-        data["cohort"]["components"] = "broken_stick"
-        data["cohort"]["direction_rule"] = "none"
+    if method == "clma":  # the published method (CLMA (today) in the tables)
+        data = with_cohort_method(data, "paper")
+    elif method == "clma_improved":  # the library's default method, written out
+        data = with_cohort_method(data, "improved")
         data["cohort"]["leading_split_alpha"] = IMPROVED_SPLIT_ALPHA
         data["training"]["server_learning_rate"] = IMPROVED_SERVER_LEARNING_RATE
-        data["training"]["server_learning_rate_scope"] = "drift_cohorts"
-    elif method == "fedavg":
-        data["cohort"]["enabled"] = False
-    elif method not in ("clma", "cfl", "ifca"):
+    elif method in ("fedavg", "cfl", "ifca"):
+        # the cohorting method's fields do not act on them (FedAvg: one parentless cohort,
+        # never split; CFL and IFCA: their own clustering); the paper's values keep their
+        # config fingerprints, and so their stored runs, from before the default changed
+        data = with_cohort_method(data, "paper")
+        if method == "fedavg":
+            data["cohort"]["enabled"] = False
+    else:
         raise ValueError(f"method: must be one of {', '.join(METHODS)}, got {method!r}")
     if detector is not None:
         data["drift"]["detector"] = detector

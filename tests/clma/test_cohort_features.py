@@ -203,11 +203,16 @@ def test_new_cohorter_options_validated_by_name() -> None:
 
 
 def test_config_selects_the_improved_cohorter() -> None:
-    from clma.config import ConfigError, default_config, validate_config
+    from clma.config import ConfigError, default_config, validate_config, with_cohort_method
     from clma.engine import make_cohorter
 
     data = default_config().model_dump()
-    assert make_cohorter(default_config()).components == "variance"
+    co = make_cohorter(default_config())  # the default method (issue 46)
+    assert co.components == "broken_stick" and co.effective_direction_rule == "none"
+    assert co.leading_split_alpha == 0.01
+    paper = make_cohorter(validate_config(with_cohort_method(data, "paper")))
+    assert paper.components == "variance" and paper.leading_split_alpha is None
+    assert paper.effective_direction_rule == "established"  # "auto" with centering
     data["cohort"].update(components="broken_stick", direction_rule="none",
                           features="relative")
     co = make_cohorter(validate_config(data))

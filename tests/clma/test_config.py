@@ -4,10 +4,23 @@ from __future__ import annotations
 
 import hashlib
 import json
+from pathlib import Path
 
 import pytest
 
-from clma.config import ConfigError, FederationConfig, default_config, load_config, validate_config
+from clma.config import (
+    COHORT_METHODS,
+    CohortConfig,
+    ConfigError,
+    FederationConfig,
+    TrainingConfig,
+    default_config,
+    load_config,
+    validate_config,
+    with_cohort_method,
+)
+
+ROOT_CONFIGS = Path(__file__).resolve().parents[2] / "clma" / "configs"
 
 
 def _event(**kw):
@@ -159,9 +172,17 @@ def test_with_overrides_validates():
         default_config().with_overrides(rounds=0)
 
 
+def _paper():
+    """The default federation with the paper's cohorting method (the library default of
+    the first release)."""
+    return validate_config(with_cohort_method(default_config().model_dump(mode="json"),
+                                              "paper"))
+
+
 def test_fingerprint_is_sha256_of_canonical_json_and_changes_with_values():
-    cfg = default_config()
+    cfg = _paper()
     data = cfg.model_dump(mode="json")
+    del data["cohort"]["method"]
     # fields added since the first release, at their legacy values, are left out
     del data["drift"]["input_ks"]
     del data["cohort"]["leading_split_alpha"], data["cohort"]["leading_split_min_size"]
@@ -171,7 +192,14 @@ def test_fingerprint_is_sha256_of_canonical_json_and_changes_with_values():
     blob = json.dumps(data, sort_keys=True, separators=(",", ":"))
     assert cfg.fingerprint() == hashlib.sha256(blob.encode()).hexdigest()
     assert cfg.with_overrides(seed=1).fingerprint() != cfg.fingerprint()
-    assert default_config().fingerprint() == cfg.fingerprint()
+    assert _paper().fingerprint() == cfg.fingerprint()
+    # today's default method is not the legacy one: its fields are in the fingerprint
+    data = default_config().model_dump(mode="json")
+    del data["drift"]["input_ks"], data["cohort"]["leading_split_min_size"]
+    del data["model"]["factory"], data["data"]["source"]
+    del data["model"]["weights"], data["data"]["probe"]
+    blob = json.dumps(data, sort_keys=True, separators=(",", ":"))
+    assert default_config().fingerprint() == hashlib.sha256(blob.encode()).hexdigest()
     split = cfg.model_copy(update={"cohort": cfg.cohort.model_copy(
         update={"leading_split_alpha": 0.01})})
     assert split.fingerprint() != cfg.fingerprint()
@@ -184,7 +212,7 @@ FP_42E4594 = "75efd6d87899dc73c10db0d931f4af843ead61de8a40a5168229d36a6c6ee9a8"
 
 
 def test_fingerprint_is_the_first_releases_and_earlier_versions_are_recognised():
-    cfg = default_config()
+    cfg = _paper()
     assert cfg.fingerprint() == FP_6015C7A
     assert {FP_6015C7A, FP_42E4594} <= cfg.earlier_fingerprints()
     full = json.dumps(cfg.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
@@ -204,3 +232,65 @@ def test_flat_params_dotted_string_values():
     events = json.loads(flat["drift.events"])
     assert len(events) == 4 and events[0]["family"] == "rotate+1"
     assert all(isinstance(v, str) for v in flat.values())
+
+
+# ------------------------------------------------------------------ cohort.method (issue 46)
+def _method_fields(cfg: FederationConfig) -> dict:
+    return {"cohort.components": cfg.cohort.components,
+            "cohort.direction_rule": cfg.cohort.direction_rule,
+            "cohort.leading_split_alpha": cfg.cohort.leading_split_alpha,
+            "training.server_learning_rate": cfg.training.server_learning_rate,
+            "training.server_learning_rate_scope": cfg.training.server_learning_rate_scope}
+
+
+def test_the_shipped_default_runs_the_improved_method():
+    """As shipped: default.toml, the library's FederationConfig(), and the sections alone
+    (CohortConfig(), TrainingConfig()) all run the improved method."""
+    expected = {"cohort.components": "broken_stick", "cohort.direction_rule": "none",
+                "cohort.leading_split_alpha": 0.01, "training.server_learning_rate": 1.5,
+                "training.server_learning_rate_scope": "drift_cohorts"}
+    assert COHORT_METHODS["improved"] == expected
+    shipped = default_config()
+    assert shipped.cohort.method == "improved" and _method_fields(shipped) == expected
+    assert 'method = "improved"' in (ROOT_CONFIGS / "default.toml").read_text()
+    lib = FederationConfig()
+    assert lib.cohort.method == "improved" and _method_fields(lib) == expected
+    c, t = CohortConfig(), TrainingConfig()
+    assert (c.components, c.direction_rule, c.leading_split_alpha) == (
+        "broken_stick", "none", 0.01)
+    assert (t.server_learning_rate, t.server_learning_rate_scope) == (1.5, "drift_cohorts")
+
+
+def test_the_paper_method_is_one_field_and_explicit_fields_win():
+    paper = {"cohort.components": "variance", "cohort.direction_rule": "auto",
+             "cohort.leading_split_alpha": None, "training.server_learning_rate": 1.0,
+             "training.server_learning_rate_scope": "all"}
+    assert COHORT_METHODS["paper"] == paper
+    cfg = validate_config({"cohort": {"method": "paper"}})
+    assert _method_fields(cfg) == paper
+    # a model instance as input, too
+    assert _method_fields(FederationConfig(cohort=CohortConfig(method="paper"))) == paper
+    # a field the config sets itself is kept; the others follow the method
+    mixed = validate_config({"cohort": {"method": "paper", "components": "broken_stick"},
+                             "training": {"local_epochs": 2}})
+    assert _method_fields(mixed) == {**paper, "cohort.components": "broken_stick"}
+    assert mixed.training.local_epochs == 2
+    # the dump round-trips (every field explicit)
+    assert validate_config(cfg.model_dump(mode="json")) == cfg
+    # with_cohort_method writes every field of the method
+    back = validate_config(with_cohort_method(default_config().model_dump(mode="json"),
+                                              "paper"))
+    assert back.cohort.method == "paper" and _method_fields(back) == paper
+    assert validate_config(with_cohort_method(back.model_dump(mode="json"),
+                                              "improved")) == default_config()
+    with pytest.raises(ConfigError, match=r"cohort\.method: Input should be 'improved' or "
+                                          r"'paper'"):
+        validate_config({"cohort": {"method": "clma"}})
+    with pytest.raises(ValueError, match="cohort.method: must be one of improved, paper"):
+        with_cohort_method({}, "published")
+
+
+def test_the_clma_vs_fedavg_table_runs_the_paper_method():
+    cfg = load_config(ROOT_CONFIGS / "clma_vs_fedavg.toml")
+    assert cfg.cohort.method == "paper"
+    assert _method_fields(cfg) == COHORT_METHODS["paper"]

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from clma.config import load_config
+from clma.config import load_config, validate_config, with_cohort_method
 from clma.engine import FederationEngine, ServerState
 from clma.sim.clients import SimulatedClients
 from clma.sim.federation import build_federation
@@ -237,8 +237,15 @@ def _legacy_snapshot(tmp_path, cfg, fingerprint, scheme=None, config_json=None):
     return store.load()
 
 
+def _first_release_default():
+    """The default federation as the first release ran it: default.toml with the paper's
+    cohorting method (the library default until issue 46)."""
+    return validate_config(with_cohort_method(load_config(DEFAULT).model_dump(mode="json"),
+                                              "paper"))
+
+
 def test_resume_fingerprint_of_the_default_config_is_the_one_the_first_release_wrote():
-    cfg = load_config(DEFAULT)
+    cfg = _first_release_default()
     # drift.input_ks keeps its legacy value, so it is left out: the hash of 6015c7a
     assert resume_fingerprint(cfg) == FP_6015C7A
     assert accepted_fingerprints(cfg, None) == {FP_6015C7A, FP_42E4594}
@@ -251,14 +258,14 @@ def test_resume_fingerprint_of_the_default_config_is_the_one_the_first_release_w
 
 @pytest.mark.parametrize("fingerprint", [FP_6015C7A, FP_42E4594])
 def test_a_folder_of_an_earlier_version_resumes_when_nothing_changed(tmp_path, fingerprint):
-    cfg = load_config(DEFAULT)
+    cfg = _first_release_default()
     snap = _legacy_snapshot(tmp_path, cfg, fingerprint)
     assert restore_server(snap, cfg).rounds_done == 1
     assert restore_server(snap, cfg.with_overrides(rounds=cfg.rounds + 5)).rounds_done == 1
 
 
 def test_a_folder_of_an_earlier_version_refuses_a_field_it_never_had_set_otherwise(tmp_path):
-    cfg = load_config(DEFAULT)
+    cfg = _first_release_default()
     old_dump = json.loads(Path(__file__).parents[1].joinpath(
         "fixtures", "config_fields_6015c7a.json").read_text())  # names only
     assert "drift.input_ks.alpha" not in old_dump["fields"]
@@ -274,6 +281,31 @@ def test_a_folder_of_an_earlier_version_refuses_a_field_it_never_had_set_otherwi
     with pytest.raises(StateError, match=r"differs from the federation stored in the state "
                                          r"directory at seed \(only"):
         restore_server(snap, cfg.with_overrides(seed=cfg.seed + 1))
+
+
+def test_a_folder_of_the_paper_method_refuses_todays_default_method_and_resumes_alone(
+        tmp_path):
+    """A federation from before issue 46 ran the paper's method; resumed with a config at
+    today's defaults (the improved method) it is refused, naming the fields; resumed from
+    its own stored config (no cohort.method in it) it runs the paper's method."""
+    from tasks.durable import stored_config
+
+    old = _first_release_default()
+    stored = old.model_dump(mode="json")
+    del stored["cohort"]["method"], stored["cohort"]["leading_split_alpha"]
+    del stored["training"]["server_learning_rate"]
+    del stored["training"]["server_learning_rate_scope"]
+    snap = _legacy_snapshot(tmp_path, old, FP_6015C7A, config_json=stored)
+    with pytest.raises(StateError) as err:
+        restore_server(snap, load_config(DEFAULT))
+    for name in ("cohort.components", "cohort.direction_rule", "cohort.method",
+                 "training.server_learning_rate"):
+        assert name in str(err.value)
+    (tmp_path / "st").mkdir()
+    StateStore(tmp_path / "st").commit(1, {"config.json": (json.dumps(stored) + "\n").encode()})
+    back = stored_config(tmp_path / "st")
+    assert back == old  # the paper's method, not today's defaults
+    assert restore_server(snap, back).rounds_done == 1
 
 
 def test_a_new_folder_carries_the_scheme_and_an_unknown_scheme_is_refused(tmp_path):
@@ -308,10 +340,26 @@ def test_every_field_added_since_the_first_release_is_registered_with_its_legacy
     assert registered == ["drift.input_ks", "cohort.leading_split_alpha",
                           "cohort.leading_split_min_size", "training.server_learning_rate",
                           "training.server_learning_rate_scope", "model.factory",
-                          "data.source", "model.weights", "data.probe"]
-    dump = cfg.model_dump(mode="json")
+                          "data.source", "model.weights", "data.probe", "cohort.method"]
+    # decided (issue 46): the default cohorting method changed from the paper's to the
+    # improved one, so a config at the defaults no longer resumes a federation from before
+    # (refused, naming the fields); with cohort.method = "paper" it does (the paper
+    # method's values are the legacy ones)
+    changed = {"cohort.method", "cohort.leading_split_alpha",
+               "training.server_learning_rate", "training.server_learning_rate_scope"}
+    paper = load_config(DEFAULT).model_dump(mode="json")
+    paper["cohort"]["method"] = "paper"
+    for key in ("components", "direction_rule", "leading_split_alpha"):
+        del paper["cohort"][key]
+    del paper["training"]["server_learning_rate"], paper["training"]["server_learning_rate_scope"]
+    dumps = {"default": cfg.model_dump(mode="json"),
+             "paper": validate_config(paper).model_dump(mode="json")}
     for path, legacy in CONFIG_ADDITIONS:
-        node = dump
-        for part in path.split("."):
-            node = node[part]
-        assert node == legacy, path
+        values = {}
+        for name, dump in dumps.items():
+            node = dump
+            for part in path.split("."):
+                node = node[part]
+            values[name] = node
+        assert values["paper"] == legacy, path
+        assert (values["default"] == legacy) == (path not in changed), path

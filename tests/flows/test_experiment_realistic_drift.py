@@ -6,6 +6,7 @@ import argparse
 
 import pytest
 
+from clma.config import validate_config
 from flows import experiments
 from flows.cli import build_parser
 from flows.experiments import realistic_drift as rd
@@ -49,8 +50,23 @@ def test_method_configs() -> None:
     assert today.training.server_learning_rate == 1.0
     assert today.training.server_learning_rate_scope == "all"
     assert not rd.method_config(base, "fedavg", 0).cohort.enabled
+    assert today.cohort.method == "paper" and imp.cohort.method == "improved"
     with pytest.raises(ValueError, match="method"):
         rd.method_config(base, "fedprox", 0)
+
+
+def test_the_paper_method_and_the_peers_keep_their_fingerprints() -> None:
+    """The default method changed (issue 46); CLMA (today) runs the paper's method with
+    its fields written out, FedAvg, CFL and IFCA take the paper's (inert) cohort fields:
+    their config fingerprints, and so their stored runs, are those of before (computed at
+    75af8aa)."""
+    a05 = rd.scenario_config("label2-a05")
+    assert rd.method_config(a05, "clma", 3).fingerprint() == (
+        "146733346143b4b59b36a6cfc3bef109a9063f81d7d34eed4621f9befa98e0c1")
+    assert rd.method_config(a05, "fedavg", 3).fingerprint() == (
+        "0c178ddcfe737f45638f2fbea88f5cbd6cffe93076e8b71b22020288882da4e1")
+    assert rd.method_config(rd.scenario_config("label2-a1"), "cfl", 3).fingerprint() == (
+        "56539fb81e14062634d1868c7c72b4a6372e53418c235c3282f69cf9765ecf50")
 
 
 def test_the_input_ks_detector_is_one_of_the_detectors_run() -> None:
@@ -111,3 +127,20 @@ def test_tabulate_uses_finished_runs_only(tmp_path) -> None:
     assert doc["table"][0]["mean_ari_mean"] == 0.75
     assert doc["not_run"] == ["label2-a1 ifca seed 0"]  # a stale fingerprint is not reused
     assert "Not run (1): label2-a1 ifca seed 0." in (tmp_path / "results.md").read_text()
+
+
+def test_under_label_skew_the_default_method_separates_the_families() -> None:
+    """Issue 46, as a user meets it: the shipped default federation with Dirichlet(0.5)
+    label skew (default.toml, the label2 scenario cut at its first drift event, round 4).
+    The default method puts each rotation family in a cohort of its own (ARI 1); the
+    paper's, still one field away (cohort.method = "paper"), puts both in one (ARI 0)."""
+    from clma.config import with_cohort_method
+
+    base = rd.scenario_config("label2-a05").with_overrides(rounds=4, seed=0)
+    assert base.cohort.method == "improved"  # the scenario runs default.toml's method
+    default = rd.run_engine(base)
+    assert default["ari_per_drift_event"] == {"4": 1.0}
+    assert default["final_cohorts"] == [15, 15, 30]
+    paper = rd.run_engine(validate_config(with_cohort_method(base.model_dump(), "paper")))
+    assert paper["ari_per_drift_event"] == {"4": 0.0}
+    assert paper["final_cohorts"] == [30, 30]

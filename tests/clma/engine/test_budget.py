@@ -535,6 +535,8 @@ def test_server_learning_rate_under_dp_fedavg_is_committed_and_republished_once(
     instead of stepping it again."""
     cfg = small_config(epsilon_cap=1000.0, enabled=True, noise_seeded=True)
     cfg = _one_epoch_training_only(cfg)
+    cfg = cfg.model_copy(update={"training": cfg.training.model_copy(
+        update={"server_learning_rate": 1.0})})  # eta = 1: the DP aggregate itself
     plain = make_engine(cfg, budget=True)
     start = plain.state.cohort_models[0].astype(np.float64)
     before = snapshot_files(plain.state)
@@ -543,7 +545,8 @@ def test_server_learning_rate_under_dp_fedavg_is_committed_and_republished_once(
     assert not np.array_equal(agg, start)
 
     stepped_cfg = cfg.model_copy(update={"training": cfg.training.model_copy(
-        update={"server_learning_rate": 1.5}), "budget": cfg.budget.model_copy(
+        update={"server_learning_rate": 1.5, "server_learning_rate_scope": "all"}),
+        "budget": cfg.budget.model_copy(
         update={"state_dir": cfg.budget.state_dir + "-eta"})})
     stepped = make_engine(stepped_cfg, budget=True, state=restore_files(before, 0))
     stepped.run_round(1)

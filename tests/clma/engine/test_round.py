@@ -121,10 +121,12 @@ def test_server_learning_rate_steps_the_aggregate_of_each_existing_cohort(tiny_c
                                                                           make_engine):
     """training.server_learning_rate = eta: the round's model of cohort 0 is start + eta *
     (FedAvg - start), from the same updates as eta = 1 (literal formula, float64)."""
-    cfg1 = tiny_config(clients=12, rounds=1, training={"local_epochs": 1},
+    cfg1 = tiny_config(clients=12, rounds=1, training={"local_epochs": 1,
+                                                       "server_learning_rate": 1.0},
                        model={"hidden": [32]})
     cfg2 = tiny_config(clients=12, rounds=1, training={"local_epochs": 1,
-                                                       "server_learning_rate": 1.5},
+                                                       "server_learning_rate": 1.5,
+                                                       "server_learning_rate_scope": "all"},
                        model={"hidden": [32]})
     plain, stepped = make_engine(cfg1), make_engine(cfg2)
     start = plain.state.cohort_models[0].astype(np.float64)
@@ -145,7 +147,7 @@ def test_server_step_scope_drift_cohorts_steps_only_cohorts_with_a_parent(drift_
     def cfg(**training):
         return drift_config.model_copy(update={"rounds": 3, "training": drift_config
                                                .training.model_copy(update=training)})
-    plain = make_engine(cfg(), flags=FLAGS)
+    plain = make_engine(cfg(server_learning_rate=1.0), flags=FLAGS)
     scoped = make_engine(cfg(server_learning_rate=1.5,
                              server_learning_rate_scope="drift_cohorts"), flags=FLAGS)
     for engine in (plain, scoped):
