@@ -386,7 +386,9 @@ class CohortConfig(_Strict):
         "the leading-component split (alpha 0.01) and the server step 1.5 on drift cohorts: "
         "separates drift families under label-skewed clients. 'paper': CLMA Algorithm 3's "
         "variance rule and signed-KS direction groups with FedAvg on every cohort (the "
-        "CLMA-vs-FedAvg table and fed-clma compatibility). The method fills "
+        "CLMA-vs-FedAvg table runs it; fed-clma's paper-exact cohorter is "
+        "CLMACohorter(center=False, clusterer=AutoKMeans(fixed_k=2)), whose class defaults "
+        "did not change). The method fills "
         "cohort.components, cohort.direction_rule, cohort.leading_split_alpha, "
         "training.server_learning_rate and training.server_learning_rate_scope where the "
         "config does not set them (clma.config.COHORT_METHODS).",
