@@ -85,7 +85,7 @@ def _run_block(work: Path, example: str, config: str, tmp: Path) -> subprocess.C
     script = "\n".join(lines[:-1])
     try:
         return subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=work, env=env,
-                              capture_output=True, text=True, timeout=2400)
+                              capture_output=True, text=True, timeout=3600)
     finally:
         stop = subprocess.run(["bash", "-c", lines[-1]], cwd=work, env=env,
                               capture_output=True, text=True, timeout=300)
