@@ -18,12 +18,13 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.flower.test_deployment import _free_ports, _leftovers  # the loopback helpers
 
 ROOT = Path(__file__).resolve().parents[2]
 VENV = Path(sys.executable).parents[1]
@@ -35,22 +36,6 @@ def _deployment_block(example: str) -> list[str]:
     text = (ROOT / "examples" / example / "README.md").read_text("utf-8")
     (part,) = re.findall(r"## Over a local Flower deployment.*?```bash\n(.*?)```", text, re.S)
     return part.strip().splitlines()
-
-
-def _free_run(n: int, start: int) -> int:
-    """The first port p >= start with p .. p + n - 1 free on 127.0.0.1."""
-    def free(port: int) -> bool:
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                return False
-        return True
-
-    p = start
-    while not all(free(p + i) for i in range(n)):
-        p += n
-    return p
 
 
 def _workdir(tmp: Path, example: str) -> Path:
@@ -66,8 +51,8 @@ def _workdir(tmp: Path, example: str) -> Path:
 def _run_block(work: Path, example: str, config: str, tmp: Path) -> subprocess.CompletedProcess:
     lines = _deployment_block(example)
     assert lines[-1] == "infra/flower-local.sh stop"
-    port = _free_run(1, 9800)
-    node_port = _free_run(10, port + 20)
+    port = _free_ports(1, 9800)
+    node_port = _free_ports(10, port + 20)
     cfg = work / "examples" / example / config
     shipped = cfg.read_text("utf-8")
     cfg.write_text(shipped.replace('superlink = "127.0.0.1:9093"',
@@ -90,24 +75,8 @@ def _run_block(work: Path, example: str, config: str, tmp: Path) -> subprocess.C
         stop = subprocess.run(["bash", "-c", lines[-1]], cwd=work, env=env,
                               capture_output=True, text=True, timeout=300)
         assert stop.returncode == 0, stop.stdout + stop.stderr
-        left = _left(str(tmp / "flower"))
+        left = _leftovers(str(tmp / "flower"))
         assert not left, f"processes left after stop: {sorted(left)}"
-
-
-def _left(marker: str) -> set[int]:
-    """Live processes whose environment names the run folder (all the deployment's)."""
-    out: set[int] = set()
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            if marker.encode() in (d / "environ").read_bytes():
-                stat = (d / "stat").read_text()
-                if stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
-                    out.add(int(d.name))
-        except OSError:
-            continue
-    return out
 
 
 def _run_log(out: Path) -> str:
