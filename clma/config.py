@@ -430,7 +430,9 @@ class CohortConfig(_Strict):
         "documented departure).",
     )
     leading_split_min_size: PositiveInt = Field(
-        default=5, description="Smallest group of a leading-component split (clients).")
+        default=5, description="Smallest group of a leading-component split (clients); a "
+        "group of n < 2 * this is tested with max(2, n // 2), so small federations can "
+        "split and a lone client is never split off.")
 
 
 class EvaluationConfig(_Strict):

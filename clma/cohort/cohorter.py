@@ -292,7 +292,11 @@ class CLMACohorter(Cohorter):
         covariate-drift family split lives in one component whose variance share stays
         below the broken stick (:mod:`clma.cohort.split`; docs/realistic_drift.md sec. 6).
     leading_split_min_size:
-        Smallest group of such a split (default 5), an integer >= 1.
+        Smallest group of such a split (default 5), an integer >= 1. A group of ``n``
+        clients is tested with ``min(leading_split_min_size, max(2, n // 2))``: below
+        ``2 * leading_split_min_size`` clients a fixed minimum would make every split
+        impossible (two families of two drifted sites in a six-site federation were one
+        cohort), and a lone client is still never split off (groups of 2-3 are not split).
     direction_rule:
         "sign": trust the KS sign always (published). "established": trust it only when
         ``|D+ - D-| > ks_critical_value(direction_alpha, n_params, n_params)``, otherwise the
@@ -439,6 +443,10 @@ class CLMACohorter(Cohorter):
         with ThreadPoolExecutor(max_workers=n_jobs) as pool:
             return list(pool.map(one, range(matrix.shape[0])))
 
+    def _split_min_size(self, n: int) -> int:
+        """The leading split's smallest group for a group of ``n`` clients (parameter docs)."""
+        return min(self.leading_split_min_size, max(2, n // 2))
+
     def _direction(self, comp: KSComponents, threshold: float | None) -> str:
         if abs(comp.signed) < self.min_ks_magnitude:
             return "no_shift"
@@ -575,7 +583,7 @@ class CLMACohorter(Cohorter):
                     lead = gram_pca_from_gram(gram, _ONE_COMPONENT, "variance")
                     if lead.n_components:
                         split = leading_split_test(lead.scores[:, 0], self.leading_split_alpha,
-                                                   self.leading_split_min_size)
+                                                   self._split_min_size(len(rows)))
                 if split is not None and split.significant:
                     sub = split.labels
                     diag_parts.append((direction, rows, 1, float(lead.explained_variance_ratio[0]),

@@ -158,3 +158,54 @@ def test_cohorter_keeps_a_single_family_whole_under_the_split_test():
 def test_cohorter_refuses_bad_split_parameters(kw, match):
     with pytest.raises(ValueError, match=match):
         CLMACohorter(**kw)
+
+
+def _small_families(seed, shift, sizes=(2, 2), p=800):
+    rng = np.random.default_rng(seed)
+    ref = rng.standard_normal(p).astype(np.float32)
+    x = (ref + rng.standard_normal((sum(sizes), p))).astype(np.float32)
+    x[:sizes[0], 0] += shift
+    return [f"c{i}" for i in range(sum(sizes))], x, ref
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_two_families_of_two_sites_are_split_below_twice_the_minimum_size(seed):
+    """Six sites, four drifted in two families of two: the group of four is tested with
+    groups of max(2, 4 // 2) = 2 (a fixed minimum of 5 could never split it). Shift 40
+    puts ~40 % of the variance on the family direction, below the broken stick for three
+    components (61 %), so only the leading split can separate them."""
+    ids, x, ref = _small_families(seed, 40.0)
+    res = CLMACohorter(components="broken_stick", direction_rule="none",
+                       leading_split_alpha=0.01).cohort(ids, x, ref)
+    assert res.groups[0].reason.startswith("leading component split")
+    a = res.assignments
+    assert a["c0"] == a["c1"] != a["c2"] == a["c3"]
+    # the same group under an explicit minimum of 1 is tested with groups of 1
+    assert CLMACohorter(components="broken_stick", direction_rule="none",
+                        leading_split_alpha=0.01, leading_split_min_size=1
+                        )._split_min_size(4) == 1
+
+
+@pytest.mark.parametrize(("n", "m"), [(2, 2), (3, 2), (4, 2), (5, 2), (6, 3), (8, 4),
+                                      (9, 4), (10, 5), (30, 5)])
+def test_the_split_minimum_is_half_the_group_between_two_and_the_parameter(n, m):
+    assert CLMACohorter(leading_split_alpha=0.01)._split_min_size(n) == m
+
+
+def test_a_lone_client_is_never_split_off_a_small_group():
+    """One client 40 noise units from two others (a group of 3, below the broken stick): no
+    split of 2 + 1 is tried, the p-value is 1."""
+    ids, x, ref = _small_families(0, 40.0, sizes=(1, 2))
+    res = CLMACohorter(components="broken_stick", direction_rule="none",
+                       leading_split_alpha=0.01).cohort(ids, x, ref)
+    assert res.n_cohorts == 1
+    assert res.groups[0].reason.endswith("leading split not significant (p = 1.0000)")
+
+
+@pytest.mark.parametrize(("n", "m"), [(6, 3), (8, 4)])
+def test_false_split_rate_of_small_groups_under_the_null_is_alpha(n, m):
+    rng = np.random.default_rng(n)
+    alpha, trials = 0.05, 400
+    hits = sum(leading_split_test(_pc1_scores(rng.standard_normal((n, 300))), alpha,
+                                  min_size=m).significant for _ in range(trials))
+    assert 8 <= hits <= 35  # binomial(400, 0.05): 99.9 % interval about [8, 35]

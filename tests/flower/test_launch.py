@@ -197,3 +197,39 @@ def test_a_scheduled_run_on_the_flower_transport_submits_the_serverapp(tmp_path,
     monkeypatch.setattr(launcher, "launch", failed)
     with pytest.raises(RuntimeError, match="Flower run 124 ended finished:failed: boom"):
         scheduled_federation_flow.fn(str(LOCAL), str(tmp_path / "state"), 1)
+
+
+@pytest.mark.parametrize("seed", [0, 3])
+def test_the_local_config_separates_its_two_families_in_process(seed, tmp_path):
+    """What the deployment test asserts over SuperNodes (three cohorts), in process and under
+    the shipped (improved) cohorting: the drifted group of four is two families of two, which
+    only the leading split sees at seeds 0 and 3 (no component above the broken stick)."""
+    import torch
+
+    from clma.engine import FederationEngine, open_budget
+    from clma.sim.clients import SimulatedClients
+    from clma.sim.federation import build_federation
+
+    torch.set_num_threads(1)
+    data = load_config(LOCAL).model_dump(mode="json")
+    assert "method" not in tomllib.loads(LOCAL.read_text())["cohort"]  # the default method
+    data.update(seed=seed, federation={"transport": "simulation"})
+    data["budget"]["state_dir"] = str(tmp_path)
+    cfg = validate_config(data)
+    fed = build_federation(cfg)
+    eng = FederationEngine(cfg, fed.assets(), SimulatedClients(fed), budget=open_budget(cfg))
+    reasons = []
+    cohort = eng.cohorter.cohort
+
+    def recorded(*args, **kwargs):
+        out = cohort(*args, **kwargs)
+        reasons.extend(g.reason for g in out.groups)
+        return out
+
+    eng.cohorter.cohort = recorded
+    for r in range(1, cfg.rounds + 1):
+        eng.run_round(r)
+    reg = eng.state.registry
+    assert sorted(sorted(reg.members(c)) for c in reg.active_cohorts()) == [
+        [0, 2], [1, 3], [4, 5]]
+    assert any(x.startswith("leading component split") for x in reasons)
