@@ -349,10 +349,14 @@ class BudgetConfig(_Strict):
 COHORT_METHODS: dict[str, dict[str, Any]] = {
     "improved": {"cohort.components": "broken_stick", "cohort.direction_rule": "none",
                  "cohort.leading_split_alpha": 0.01,
+                 "cohort.leading_split_family_ratio": 0.7,
+                 "cohort.cosine_refinement": True,
                  "training.server_learning_rate": 1.5,
                  "training.server_learning_rate_scope": "drift_cohorts"},
     "paper": {"cohort.components": "variance", "cohort.direction_rule": "auto",
               "cohort.leading_split_alpha": None,
+              "cohort.leading_split_family_ratio": None,
+              "cohort.cosine_refinement": False,
               "training.server_learning_rate": 1.0,
               "training.server_learning_rate_scope": "all"},
 }
@@ -390,6 +394,7 @@ class CohortConfig(_Strict):
         "CLMACohorter(center=False, clusterer=AutoKMeans(fixed_k=2)), whose class defaults "
         "did not change). The method fills "
         "cohort.components, cohort.direction_rule, cohort.leading_split_alpha, "
+        "cohort.leading_split_family_ratio, cohort.cosine_refinement, "
         "training.server_learning_rate and training.server_learning_rate_scope where the "
         "config does not set them (clma.config.COHORT_METHODS).",
     )
@@ -433,6 +438,22 @@ class CohortConfig(_Strict):
         default=5, description="Smallest group of a leading-component split (clients); a "
         "group of n < 2 * this is tested with max(2, n // 2), so small federations can "
         "split and a lone client is never split off.")
+    leading_split_family_ratio: Annotated[float, Field(gt=0.0, le=1.0)] | None = Field(
+        default=0.7,
+        description="A significant leading-component split is undone when the mean "
+        "displacement cosine across its two sides is at least this fraction of the mean "
+        "within them: two magnitudes of one drift, not two drifts (measured: one family's "
+        "parts 0.84-0.88, two covariate families 0.43-0.53, two label families ~0.1; "
+        "docs/realistic_drift.md section 8). None = never undone (cohort.method = 'paper').",
+    )
+    cosine_refinement: bool = Field(
+        default=True,
+        description="After k-means splits a group, move each client to the part whose mean "
+        "displacement (without the client) is closest in angle, over the full parameters, "
+        "until none moves: spherical k-means started from the split "
+        "(clma.cohort.cohorter.cosine_refine; a documented departure; leading splits are "
+        "not refined). False = the split as made (cohort.method = 'paper').",
+    )
 
 
 class EvaluationConfig(_Strict):
@@ -791,6 +812,8 @@ CONFIG_ADDITIONS: tuple[tuple[str, Any], ...] = (
     # issue 46: the default method became "improved"; a federation from before ran the paper
     # method's fields (components, direction_rule: explicit in every stored config)
     ("cohort.method", "paper"),
+    ("cohort.leading_split_family_ratio", None),
+    ("cohort.cosine_refinement", False),
 )
 
 def config_hash(data: Mapping[str, Any]) -> str:

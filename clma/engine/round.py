@@ -94,6 +94,8 @@ def make_cohorter(config: FederationConfig) -> CLMACohorter:
         direction_rule=c.direction_rule,
         leading_split_alpha=c.leading_split_alpha,
         leading_split_min_size=c.leading_split_min_size,
+        leading_split_family_ratio=c.leading_split_family_ratio,
+        cosine_refinement=c.cosine_refinement,
     )
 
 

@@ -209,3 +209,67 @@ def test_false_split_rate_of_small_groups_under_the_null_is_alpha(n, m):
     hits = sum(leading_split_test(_pc1_scores(rng.standard_normal((n, 300))), alpha,
                                   min_size=m).significant for _ in range(trials))
     assert 8 <= hits <= 35  # binomial(400, 0.05): 99.9 % interval about [8, 35]
+
+
+def _one_family_two_magnitudes(seed, w=20.0, p=800):
+    """15 clients drifting along one direction, 10 by w and 5 by 2w, plus N(0, I_p) noise."""
+    rng = np.random.default_rng(seed)
+    ref = rng.standard_normal(p).astype(np.float32)
+    c = np.r_[np.ones(10), 2.0 * np.ones(5)]
+    x = ref + rng.standard_normal((15, p))
+    x[:, 0] += c * w
+    return [f"c{i}" for i in range(15)], x.astype(np.float32), ref
+
+
+def _two_families_sharing_half(seed, a=15.0, s=15.0, p=800):
+    """2 x 8 clients: a common drift a along e0, and s along e1 (family A) or e2 (B)."""
+    rng = np.random.default_rng(seed)
+    ref = rng.standard_normal(p).astype(np.float32)
+    x = ref + rng.standard_normal((16, p))
+    x[:, 0] += a
+    x[:8, 1] += s
+    x[8:, 2] += s
+    return [f"c{i}" for i in range(16)], x.astype(np.float32), ref
+
+
+def _ratio(reason):
+    import re
+
+    return float(re.search(r"across/within displacement cosine (-?[0-9.]+)", reason).group(1))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_leading_split_of_one_family_by_magnitude_is_undone(seed):
+    """Two magnitudes of one drift (failure mode 1 of docs/realistic_drift.md section 8):
+    the leading split test finds them (p = 0.001), the family ratio undoes it. Theory for
+    these clients: cosines within 400/1200 and 1600/2400, across 800/sqrt(1200 * 2400),
+    ratio 0.471 / 0.394 = 1.196."""
+    ids, x, ref = _one_family_two_magnitudes(seed)
+    kw = {"components": "broken_stick", "direction_rule": "none", "leading_split_alpha": 0.01}
+    split = CLMACohorter(**kw).cohort(ids, x, ref)
+    assert split.n_cohorts == 2 and split.groups[0].reason.startswith("leading component split (")
+    kept = CLMACohorter(**kw, leading_split_family_ratio=0.7).cohort(ids, x, ref)
+    assert kept.n_cohorts == 1
+    reason = kept.groups[0].reason
+    assert reason.startswith("leading component split undone: one family (")
+    assert _ratio(reason) == pytest.approx(1.196, abs=0.1)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_two_families_sharing_half_their_drift_stay_split(seed):
+    """Cosines within (a^2 + s^2) / (a^2 + s^2 + p) = 0.36, across a^2 / (...) = 0.18:
+    ratio 0.5, the covariate families' (0.43-0.53), below 0.7: the split stands."""
+    ids, x, ref = _two_families_sharing_half(seed)
+    res = CLMACohorter(components="broken_stick", direction_rule="none",
+                       leading_split_alpha=0.01, leading_split_family_ratio=0.7
+                       ).cohort(ids, x, ref)
+    assert res.n_cohorts == 2
+    assert _ratio(res.groups[0].reason) == pytest.approx(0.5, abs=0.1)
+    first = {res.assignments[c] for c in ids[:8]}
+    assert len(first) == 1 and first.isdisjoint({res.assignments[c] for c in ids[8:]})
+
+
+@pytest.mark.parametrize("value", [0.0, 1.5, float("nan"), -0.2])
+def test_the_family_ratio_is_refused_outside_its_range(value):
+    with pytest.raises(ValueError, match=r"leading_split_family_ratio: must be None or lie in \(0, 1\]"):
+        CLMACohorter(leading_split_family_ratio=value)

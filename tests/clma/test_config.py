@@ -85,6 +85,10 @@ def test_load_config_reads_toml_and_matches_validate(tmp_path):
         ({"training": {"server_learning_rate_scope": "root"}},
          "training.server_learning_rate_scope", "'all' or 'drift_cohorts'"),
         ({"cohort": {"max_k": 1}}, "cohort.max_k", "greater than or equal to 2"),
+        ({"cohort": {"leading_split_family_ratio": 1.2}}, "cohort.leading_split_family_ratio",
+         "less than or equal to 1"),
+        ({"cohort": {"leading_split_family_ratio": 0}}, "cohort.leading_split_family_ratio",
+         "greater than 0"),
         ({"evaluation": {"epsilon": 0}}, "evaluation.epsilon", "greater than 0"),
         ({"evaluation": {"loss_max": -1}}, "evaluation.loss_max", "greater than 0"),
         ({"divergence": {"action": "ban"}}, "divergence.action", "'report'"),
@@ -186,6 +190,7 @@ def test_fingerprint_is_sha256_of_canonical_json_and_changes_with_values():
     # fields added since the first release, at their legacy values, are left out
     del data["drift"]["input_ks"]
     del data["cohort"]["leading_split_alpha"], data["cohort"]["leading_split_min_size"]
+    del data["cohort"]["leading_split_family_ratio"], data["cohort"]["cosine_refinement"]
     del data["training"]["server_learning_rate"], data["training"]["server_learning_rate_scope"]
     del data["model"]["factory"], data["data"]["source"]
     del data["model"]["weights"], data["data"]["probe"]
@@ -239,6 +244,8 @@ def _method_fields(cfg: FederationConfig) -> dict:
     return {"cohort.components": cfg.cohort.components,
             "cohort.direction_rule": cfg.cohort.direction_rule,
             "cohort.leading_split_alpha": cfg.cohort.leading_split_alpha,
+            "cohort.leading_split_family_ratio": cfg.cohort.leading_split_family_ratio,
+            "cohort.cosine_refinement": cfg.cohort.cosine_refinement,
             "training.server_learning_rate": cfg.training.server_learning_rate,
             "training.server_learning_rate_scope": cfg.training.server_learning_rate_scope}
 
@@ -247,7 +254,9 @@ def test_the_shipped_default_runs_the_improved_method():
     """As shipped: default.toml, the library's FederationConfig(), and the sections alone
     (CohortConfig(), TrainingConfig()) all run the improved method."""
     expected = {"cohort.components": "broken_stick", "cohort.direction_rule": "none",
-                "cohort.leading_split_alpha": 0.01, "training.server_learning_rate": 1.5,
+                "cohort.leading_split_alpha": 0.01, "cohort.leading_split_family_ratio": 0.7,
+                "cohort.cosine_refinement": True,
+                "training.server_learning_rate": 1.5,
                 "training.server_learning_rate_scope": "drift_cohorts"}
     assert COHORT_METHODS["improved"] == expected
     shipped = default_config()
@@ -263,7 +272,9 @@ def test_the_shipped_default_runs_the_improved_method():
 
 def test_the_paper_method_is_one_field_and_explicit_fields_win():
     paper = {"cohort.components": "variance", "cohort.direction_rule": "auto",
-             "cohort.leading_split_alpha": None, "training.server_learning_rate": 1.0,
+             "cohort.leading_split_alpha": None, "cohort.leading_split_family_ratio": None,
+             "cohort.cosine_refinement": False,
+             "training.server_learning_rate": 1.0,
              "training.server_learning_rate_scope": "all"}
     assert COHORT_METHODS["paper"] == paper
     cfg = validate_config({"cohort": {"method": "paper"}})
