@@ -351,12 +351,14 @@ COHORT_METHODS: dict[str, dict[str, Any]] = {
                  "cohort.leading_split_alpha": 0.01,
                  "cohort.leading_split_family_ratio": 0.7,
                  "cohort.cosine_refinement": True,
+                 "cohort.one_component": "two_means",
                  "training.server_learning_rate": 1.5,
                  "training.server_learning_rate_scope": "drift_cohorts"},
     "paper": {"cohort.components": "variance", "cohort.direction_rule": "auto",
               "cohort.leading_split_alpha": None,
               "cohort.leading_split_family_ratio": None,
               "cohort.cosine_refinement": False,
+              "cohort.one_component": "clusterer",
               "training.server_learning_rate": 1.0,
               "training.server_learning_rate_scope": "all"},
 }
@@ -394,7 +396,7 @@ class CohortConfig(_Strict):
         "CLMACohorter(center=False, clusterer=AutoKMeans(fixed_k=2)), whose class defaults "
         "did not change). The method fills "
         "cohort.components, cohort.direction_rule, cohort.leading_split_alpha, "
-        "cohort.leading_split_family_ratio, cohort.cosine_refinement, "
+        "cohort.leading_split_family_ratio, cohort.cosine_refinement, cohort.one_component, "
         "training.server_learning_rate and training.server_learning_rate_scope where the "
         "config does not set them (clma.config.COHORT_METHODS).",
     )
@@ -448,11 +450,22 @@ class CohortConfig(_Strict):
     )
     cosine_refinement: bool = Field(
         default=True,
-        description="After k-means splits a group, move each client to the part whose mean "
-        "displacement (without the client) is closest in angle, over the full parameters, "
-        "until none moves: spherical k-means started from the split "
-        "(clma.cohort.cohorter.cosine_refine; a documented departure; leading splits are "
-        "not refined). False = the split as made (cohort.method = 'paper').",
+        description="After k-means (or one_component = 'two_means') splits a group, move each "
+        "client to the part whose mean displacement (without the client) is closest in "
+        "angle, over the full parameters, until none moves: spherical k-means started from "
+        "the split (clma.cohort.cohorter.cosine_refine; a documented departure; leading "
+        "splits are not refined, nor parts whose mean within-part cosines differ by more "
+        "than 2x). False = the split as made (cohort.method = 'paper').",
+    )
+    one_component: Literal["clusterer", "two_means"] = Field(
+        default="two_means",
+        description="With components='broken_stick', a group with exactly one component "
+        "above the broken stick: 'two_means' splits it in two along that component (exact "
+        "1-D 2-means, groups of at least max(2, min(leading_split_min_size, n // 2)); "
+        "undone like a leading split when its sides drift the same way, then refined by "
+        "cosine_refinement); 'clusterer' "
+        "(cohort.method = 'paper') lets k-means choose k by silhouette on the one "
+        "component, which over-splits two families (docs/realistic_drift.md section 8).",
     )
 
 
@@ -814,6 +827,7 @@ CONFIG_ADDITIONS: tuple[tuple[str, Any], ...] = (
     ("cohort.method", "paper"),
     ("cohort.leading_split_family_ratio", None),
     ("cohort.cosine_refinement", False),
+    ("cohort.one_component", "clusterer"),
 )
 
 def config_hash(data: Mapping[str, Any]) -> str:

@@ -92,7 +92,7 @@ from clma.cohort.projection import (
     gram_pca_details,
     gram_pca_from_gram,
 )
-from clma.cohort.split import leading_split_test
+from clma.cohort.split import cluster_index, leading_split_test
 from clma.params.errors import NonFiniteParameterError, ParameterAlignmentError
 
 __all__ = [
@@ -249,6 +249,32 @@ def validate_client_stack(client_ids: Sequence[ClientId], matrix: object,
     return ids, mat, ref
 
 
+#: The cosine refinement runs only when every part's coherence (mean displacement cosine
+#: between its clients) is positive and at least this fraction of the largest: spherical
+#: k-means assumes parts of equal concentration and pulls the clients of a diffuse part
+#: (clients without a common drift, e.g. false flags) into a coherent one.
+REFINE_COHERENCE_RATIO = 0.5
+
+
+def group_coherences(gram: np.ndarray, labels: np.ndarray) -> list[float]:
+    """Mean displacement cosine over pairs of distinct clients of each group (in order of
+    the group labels; 0.0 for a group of one). ``gram`` ``(n, n)`` displacement Gram,
+    ``labels`` ``(n,)`` int."""
+    g = np.asarray(gram, dtype=np.float64)
+    norms = np.sqrt(np.clip(np.diag(g), 0.0, None))
+    safe = np.where(norms > 0.0, norms, 1.0)
+    cos = g / np.outer(safe, safe)
+    out = []
+    for k in np.unique(labels):
+        m = np.flatnonzero(np.asarray(labels) == k)
+        if len(m) < 2:
+            out.append(0.0)
+            continue
+        block = cos[np.ix_(m, m)]
+        out.append(float((block.sum() - np.trace(block)) / (len(m) * (len(m) - 1))))
+    return out
+
+
 def cosine_refine(gram: np.ndarray, labels: np.ndarray, max_iter: int = 10
                   ) -> tuple[np.ndarray, int]:
     """Reassign each client to the group whose mean displacement is closest in angle.
@@ -391,10 +417,24 @@ class CLMACohorter(Cohorter):
         covariate families 0.43-0.53, two label families ~0.1; one family's parts
         0.84-0.88; docs/realistic_drift.md section 8). The ratio is reported in the reason.
     cosine_refinement:
-        False (default). When True, a split made by the clusterer (k-means) is refined by
-        :func:`cosine_refine` over the full displacements (reason "...; cosine refinement
-        moved m"). Leading splits are not refined: the refinement leans towards the more
-        coherent family, which moved clients of two covariate families to the wrong side.
+        False (default). When True, a split made by the clusterer (k-means) or by
+        ``one_component="two_means"`` (both on components above the broken stick or the
+        variance share) is refined by :func:`cosine_refine` over the full displacements
+        (reason "...; cosine refinement moved m") when the parts' coherences are comparable
+        (:data:`REFINE_COHERENCE_RATIO`; else "...; not refined (coherences ...)"). Leading
+        splits (a direction below the
+        broken stick) are not refined: the refinement leans towards the more coherent
+        family, which moved clients of two covariate families to the wrong side.
+    one_component:
+        "clusterer" (default): a group with exactly one component above the broken stick is
+        clustered by ``clusterer`` on that component. "two_means": it is split in two along
+        it by the exact 1-D 2-means (:func:`clma.cohort.split.cluster_index`, the leading
+        split's groups of at least ``max(2, min(leading_split_min_size, n // 2))``; no test:
+        the component is above the broken stick), undone as a leading split is by
+        ``leading_split_family_ratio`` (reason "one component above the broken stick: 2-means
+        split"), then refined by ``cosine_refinement``. Why: k-means' silhouette over
+        k = 2..10 on one dimension split two families of 15 into 5 groups
+        (docs/realistic_drift.md section 8).
     direction_rule:
         "sign": trust the KS sign always (published). "established": trust it only when
         ``|D+ - D-| > ks_critical_value(direction_alpha, n_params, n_params)``, otherwise the
@@ -447,7 +487,8 @@ class CLMACohorter(Cohorter):
                  leading_split_alpha: float | None = None,
                  leading_split_min_size: int = 5,
                  leading_split_family_ratio: float | None = None,
-                 cosine_refinement: bool = False) -> None:
+                 cosine_refinement: bool = False,
+                 one_component: Literal["clusterer", "two_means"] = "clusterer") -> None:
         if not isinstance(clusterer, Clusterer):
             raise TypeError("clusterer: must be a clma.cohort.Clusterer")
         v = float(variance_threshold)
@@ -491,6 +532,9 @@ class CLMACohorter(Cohorter):
             leading_split_family_ratio = fr
         self.leading_split_family_ratio = leading_split_family_ratio
         self.cosine_refinement = bool(cosine_refinement)
+        if one_component not in ("clusterer", "two_means"):
+            raise ValueError("one_component: must be 'clusterer' or 'two_means'")
+        self.one_component = one_component
         self.components = components
         self.leading_split_alpha = (None if leading_split_alpha is None
                                     else float(leading_split_alpha))
@@ -537,7 +581,8 @@ class CLMACohorter(Cohorter):
                 f"leading_split_alpha={self.leading_split_alpha!r}, "
                 f"leading_split_min_size={self.leading_split_min_size}, "
                 f"leading_split_family_ratio={self.leading_split_family_ratio!r}, "
-                f"cosine_refinement={self.cosine_refinement})")
+                f"cosine_refinement={self.cosine_refinement}, "
+                f"one_component={self.one_component!r})")
 
     def ks_components(self, matrix: np.ndarray, reference: np.ndarray) -> list[KSComponents]:
         """One-sided KS distances of every row against the reference (sorted once)."""
@@ -694,13 +739,36 @@ class CLMACohorter(Cohorter):
                     if lead.n_components:
                         split = leading_split_test(lead.scores[:, 0], self.leading_split_alpha,
                                                    self._split_min_size(len(rows)))
+                one = (self.components == "broken_stick" and pca.n_components == 1
+                       and self.one_component == "two_means"
+                       and len(rows) >= 2 * self._split_min_size(len(rows)))
+                if one:
+                    ci, two = cluster_index(pca.scores[:, 0], self._split_min_size(len(rows)))
                 ratio = None
                 if (split is not None and split.significant and disp is not None
                         and self.leading_split_family_ratio is not None):
                     ratio = _family_ratio(disp, rows, split.labels)
                 test = (f"2-means cluster index {split.cluster_index:.3f}, "
                         f"p = {split.p_value:.4f}" if split is not None else "")
-                if ratio is not None and ratio >= self.leading_split_family_ratio:
+                if one:
+                    ratio = (_family_ratio(disp, rows, two) if disp is not None
+                             and self.leading_split_family_ratio is not None else None)
+                    what = (f"one component above the broken stick: 2-means split (cluster "
+                            f"index {ci:.3f}")
+                    if ratio is not None and ratio >= self.leading_split_family_ratio:
+                        sub = np.zeros(len(rows), dtype=np.int64)
+                        diag_parts.append((direction, rows, 1, pca.retained_variance, 1, {},
+                                           f"{what}) undone: one family (across/within "
+                                           f"displacement cosine {ratio:.2f} >= "
+                                           f"{self.leading_split_family_ratio:.2f})"))
+                    else:
+                        sub = two
+                        clustered = True  # a split on a component above the broken stick
+                        diag_parts.append((direction, rows, 1, pca.retained_variance, 2, {},
+                                           what + ("" if ratio is None else
+                                                   f"; across/within displacement cosine "
+                                                   f"{ratio:.2f}") + ")"))
+                elif ratio is not None and ratio >= self.leading_split_family_ratio:
                     sub = np.zeros(len(rows), dtype=np.int64)
                     diag_parts.append((direction, rows, 0, 0.0, 1, {},
                                        f"leading component split undone: one family ({test}; "
@@ -729,8 +797,17 @@ class CLMACohorter(Cohorter):
                                        res.reason))
             if (self.cosine_refinement and clustered and disp is not None
                     and len(set(sub.tolist())) > 1):
-                refined, moved = cosine_refine(disp[np.ix_(rows, rows)], sub)
-                if moved:
+                block = disp[np.ix_(rows, rows)]
+                rho = group_coherences(block, sub)
+                comparable = (min(rho) > 0.0
+                              and min(rho) >= REFINE_COHERENCE_RATIO * max(rho))
+                refined, moved = cosine_refine(block, sub) if comparable else (sub, 0)
+                if not comparable:
+                    d, rw, nc, rv, k, sil, reason = diag_parts[-1]
+                    diag_parts[-1] = (d, rw, nc, rv, k, sil,
+                                      f"{reason}; not refined (coherences "
+                                      f"{', '.join(f'{x:.2f}' for x in rho)})")
+                elif moved:
                     sub = refined
                     d, rw, nc, rv, k, sil, reason = diag_parts[-1]
                     diag_parts[-1] = (d, rw, nc, rv, int(len(set(sub.tolist()))), sil,

@@ -96,6 +96,7 @@ def make_cohorter(config: FederationConfig) -> CLMACohorter:
         leading_split_min_size=c.leading_split_min_size,
         leading_split_family_ratio=c.leading_split_family_ratio,
         cosine_refinement=c.cosine_refinement,
+        one_component=c.one_component,
     )
 
 

@@ -273,3 +273,39 @@ def test_two_families_sharing_half_their_drift_stay_split(seed):
 def test_the_family_ratio_is_refused_outside_its_range(value):
     with pytest.raises(ValueError, match=r"leading_split_family_ratio: must be None or lie in \(0, 1\]"):
         CLMACohorter(leading_split_family_ratio=value)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_one_component_two_means_splits_two_families_and_keeps_one_whole(seed):
+    """one_component = "two_means": a group with exactly one component above the broken
+    stick is split in two along it (exact 1-D 2-means) unless its sides drift the same way.
+    One family drifting by 40 and 80 (one component): k-means by silhouette splits it,
+    two_means keeps it whole (ratio 1.09 > 0.7). Two families 15 + 15 apart by 20 along e0:
+    split correctly."""
+    kw = {"components": "broken_stick", "direction_rule": "none", "leading_split_alpha": 0.01,
+          "leading_split_family_ratio": 0.7}
+    ids, x, ref = _one_family_two_magnitudes(seed, w=40.0)
+    assert CLMACohorter(**kw, one_component="clusterer").cohort(ids, x, ref).n_cohorts == 2
+    kept = CLMACohorter(**kw, one_component="two_means").cohort(ids, x, ref)
+    assert kept.n_cohorts == 1
+    reason = kept.groups[0].reason
+    assert reason.startswith("one component above the broken stick: 2-means split (cluster ")
+    assert "undone: one family" in reason and _ratio(reason) > 0.7
+    rng = np.random.default_rng(seed)
+    ref = rng.standard_normal(800).astype(np.float32)
+    x = ref + rng.standard_normal((30, 800))
+    x[:15, 0] += 20.0
+    ids = [f"c{i}" for i in range(30)]
+    for refine in (False, True):  # the refinement (on by default) keeps a correct split
+        two = CLMACohorter(**kw, one_component="two_means", cosine_refinement=refine).cohort(
+            ids, x.astype(np.float32), ref)
+        assert two.groups[0].reason.startswith("one component above the broken stick: 2-means")
+        assert "cosine refinement" not in two.groups[0].reason
+        a = two.assignments
+        assert len({a[c] for c in ids[:15]}) == 1 and len({a[c] for c in ids[15:]}) == 1
+        assert a["c0"] != a["c15"]
+
+
+def test_one_component_is_refused_outside_its_values():
+    with pytest.raises(ValueError, match="one_component: must be 'clusterer' or 'two_means'"):
+        CLMACohorter(one_component="kmeans")
