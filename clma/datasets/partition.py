@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["iid_partition", "dirichlet_partition"]
+__all__ = ["PartitionError", "iid_partition", "dirichlet_partition"]
+
+
+class PartitionError(ValueError):
+    """No Dirichlet draw gave every client its minimum size (a property of the seed, the
+    alpha and the number of clients, not of the code): the federation cannot be built."""
 
 
 def iid_partition(n_samples: int, n_clients: int, rng: np.random.Generator) -> list[np.ndarray]:
@@ -33,7 +38,8 @@ def dirichlet_partition(
     Small ``alpha`` gives very skewed clients; large ``alpha`` approaches IID. Draws are
     repeated (up to ``max_tries``) until every client has at least ``min_size`` samples
     (Hsu et al., 2019, "Measuring the effects of non-identical data distribution").
-    Returns sorted int64 index arrays into ``labels``. Raises ValueError if impossible.
+    Returns sorted int64 index arrays into ``labels``. Raises ValueError for a bad argument
+    and :class:`PartitionError` (a ValueError) when no draw of ``max_tries`` fits.
     """
     if alpha <= 0:
         raise ValueError("data.dirichlet_alpha must be positive")
@@ -50,7 +56,7 @@ def dirichlet_partition(
                 shards[k].extend(part.tolist())
         if min(len(s) for s in shards) >= min_size:
             return [np.sort(np.asarray(s, dtype=np.int64)) for s in shards]
-    raise ValueError(
+    raise PartitionError(
         "data.dirichlet_alpha: no partition with at least "
         f"{min_size} samples per client found in {max_tries} draws; raise alpha or lower clients"
     )

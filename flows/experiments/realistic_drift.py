@@ -68,6 +68,7 @@ from typing import Any
 import numpy as np
 
 from clma.config import ConfigError, FederationConfig, validate_config, with_cohort_method
+from clma.datasets.partition import PartitionError
 
 __all__ = [
     "DESCRIPTION",
@@ -354,6 +355,9 @@ def to_markdown(doc: Mapping[str, Any]) -> str:
             _fmt(r, "detection_rate"), _fmt(r, "false_flag_rate")]) + " |")
     if doc.get("not_run"):
         lines += ["", f"Not run ({len(doc['not_run'])}): " + "; ".join(doc["not_run"]) + "."]
+    if doc.get("not_built"):
+        lines += ["", f"Not built ({len(doc['not_built'])}: no Dirichlet partition with every "
+                  "client at its minimum size): " + "; ".join(doc["not_built"]) + "."]
     return (f"Seeds {' '.join(map(str, doc['seeds']))}; cells: mean ± sample std over seeds "
             "(simulation truth). Detection: drifted clients flagged at their drift round; "
             "false flags: flags of clients without a drift event that round (rounds 2+).\n\n"
@@ -410,7 +414,9 @@ def _write(path: Path, text: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Entry point of ``clma experiment realistic-drift``; 2 for a bad option."""
+    """Entry point of ``clma experiment realistic-drift``: 0; 2 for a bad option; 1 when a
+    run could not be built (a seed whose Dirichlet draws never give every client its
+    minimum size: listed under "Not built", the other runs go on and are tabulated)."""
     if len(set(args.seeds)) != len(args.seeds) or any(not 0 <= s < 2**32 for s in args.seeds):
         print("clma: invalid configuration: --seeds: each seed once, in [0, 2**32)",
               file=sys.stderr)
@@ -432,6 +438,7 @@ def run(args: argparse.Namespace) -> int:
                     plan.append((sc, m, d, seed))
     runs: list[RunFigures] = []
     missing: list[str] = []
+    not_built: list[str] = []
     for sc, m, d, seed in plan:
         name = m if d is None else f"{m}[{d}]"
         path = out / "runs" / sc / name / f"seed{seed}.json"
@@ -440,7 +447,13 @@ def run(args: argparse.Namespace) -> int:
             missing.append(f"{sc} {name} seed {seed}")
             continue
         if rec is None:
-            rec = run_method(sc, m, seed, d)
+            try:
+                rec = run_method(sc, m, seed, d)
+            except PartitionError as exc:  # this seed's clients cannot be drawn: go on
+                not_built.append(f"{sc} {name} seed {seed}")
+                print(f"clma: {sc} {name} seed {seed} not built: {exc}", file=sys.stderr,
+                      flush=True)
+                continue
             _write(path, json.dumps(_row(rec), indent=1, sort_keys=True) + "\n")
         runs.append(rec)
         print(f"{sc} {name} seed {seed}: ARI {rec.ari_per_drift_event} stationary "
@@ -451,7 +464,7 @@ def run(args: argparse.Namespace) -> int:
            "note": "simulation ground truth; never part of a private release",
            "seeds": sorted(set(args.seeds)), "scenarios": list(args.scenarios),
            "table": aggregate(runs) if runs else [], "per_seed": [_row(r) for r in runs],
-           "not_run": missing,
+           "not_run": missing, "not_built": not_built,
            "mlflow_parent_run_id": None}
     if not args.no_tracking:
         doc["mlflow_parent_run_id"] = _log_mlflow(doc, runs)
@@ -460,7 +473,7 @@ def run(args: argparse.Namespace) -> int:
     _write(out / "per_seed.csv", to_csv(doc["per_seed"], _PER_SEED_COLUMNS))
     _write(out / "results.md", to_markdown(doc))
     print(to_markdown(doc))
-    return 0
+    return 1 if not_built else 0
 
 
 def _log_mlflow(doc: Mapping[str, Any], runs: Sequence[RunFigures]) -> str:
