@@ -55,12 +55,13 @@ follows the clients' own noise more than the drift (both families mostly "undire
 explain more than random sticks would (there: only the family split; for one family,
 none, so it stays one cohort).
 
-Two further departures, both measured in docs/realistic_drift.md section 8 and both off in
-this class by default (the library's "improved" method turns them on): a leading split
-whose two sides point the same way (``leading_split_family_ratio``) is one family drifting
-by two magnitudes and is undone; a k-means split is refined over the full displacements
-(``cosine_refinement``, :func:`cosine_refine`), which puts back clients that a few noisy
-components placed on the wrong side.
+Three further departures, measured in docs/realistic_drift.md section 8 and off in this
+class by default (the library's "improved" method turns them on): a split along one
+direction whose two sides point the same way (``leading_split_family_ratio``) is one
+family drifting by two magnitudes and is undone; a group with one component above the
+broken stick is split by the exact 1-D 2-means (``one_component``); a clustered split is
+refined over the full displacements (``cosine_refinement``, :func:`cosine_refine`), which
+puts back clients that a few noisy components placed on the wrong side.
 
 Groups are processed in the order positive, negative, undirected, no_shift; the returned
 local cohort ids are contiguous from 0 in order of first appearance over ``client_ids``.
@@ -256,14 +257,22 @@ def validate_client_stack(client_ids: Sequence[ClientId], matrix: object,
 REFINE_COHERENCE_RATIO = 0.5
 
 
-def group_coherences(gram: np.ndarray, labels: np.ndarray) -> list[float]:
-    """Mean displacement cosine over pairs of distinct clients of each group (in order of
-    the group labels; 0.0 for a group of one). ``gram`` ``(n, n)`` displacement Gram,
-    ``labels`` ``(n,)`` int."""
+def _cosines(gram: np.ndarray) -> np.ndarray:
+    """``(n, n)`` float64 cosines of the vectors whose Gram is ``gram`` (0 for a zero one)."""
     g = np.asarray(gram, dtype=np.float64)
     norms = np.sqrt(np.clip(np.diag(g), 0.0, None))
     safe = np.where(norms > 0.0, norms, 1.0)
     cos = g / np.outer(safe, safe)
+    cos[norms == 0.0, :] = 0.0
+    cos[:, norms == 0.0] = 0.0
+    return cos
+
+
+def group_coherences(gram: np.ndarray, labels: np.ndarray) -> list[float]:
+    """Mean displacement cosine over pairs of distinct clients of each group (in order of
+    the group labels; 0.0 for a group of one). ``gram`` ``(n, n)`` displacement Gram,
+    ``labels`` ``(n,)`` int."""
+    cos = _cosines(gram)
     out = []
     for k in np.unique(labels):
         m = np.flatnonzero(np.asarray(labels) == k)
@@ -293,8 +302,8 @@ def cosine_refine(gram: np.ndarray, labels: np.ndarray, max_iter: int = 10
     from the split, in the full parameter space through the Gram matrix. A documented
     departure from CLMA (docs/realistic_drift.md section 8). Its bias: a client's cosine
     to a family's centroid grows with the family's coherence, so between a coherent and a
-    diffuse family it leans towards the coherent one (the cohorter refines k-means splits
-    only for this reason).
+    diffuse family it leans towards the coherent one (hence the cohorter's guard,
+    :data:`REFINE_COHERENCE_RATIO`, and no refinement of leading splits).
 
     Args:
         gram: ``(n, n)`` float displacement Gram ``G = D D^T`` of the group's clients.
@@ -339,10 +348,7 @@ def _family_ratio(disp: np.ndarray, rows: list[int], labels: np.ndarray) -> floa
     group's rows, ``labels`` ``(len(rows),)`` 0/1. ``-inf`` when a side has no within pair
     on either side or the across mean is not positive (two families either way)."""
     idx = np.asarray(rows)
-    g = disp[np.ix_(idx, idx)]
-    norms = np.sqrt(np.clip(np.diag(g), 0.0, None))
-    safe = np.where(norms > 0.0, norms, 1.0)
-    cos = g / np.outer(safe, safe)
+    cos = _cosines(disp[np.ix_(idx, idx)])
     a, b = np.flatnonzero(labels == 0), np.flatnonzero(labels == 1)
     across = float(cos[np.ix_(a, b)].mean())
     pairs = len(a) * (len(a) - 1) + len(b) * (len(b) - 1)
@@ -421,10 +427,10 @@ class CLMACohorter(Cohorter):
         ``one_component="two_means"`` (both on components above the broken stick or the
         variance share) is refined by :func:`cosine_refine` over the full displacements
         (reason "...; cosine refinement moved m") when the parts' coherences are comparable
-        (:data:`REFINE_COHERENCE_RATIO`; else "...; not refined (coherences ...)"). Leading
-        splits (a direction below the
-        broken stick) are not refined: the refinement leans towards the more coherent
-        family, which moved clients of two covariate families to the wrong side.
+        (:data:`REFINE_COHERENCE_RATIO`; else "...; not refined (coherences ...)").
+        Leading splits (a direction below the broken stick) are not refined: the
+        refinement leans towards the more coherent family, which moved clients of two
+        covariate families to the wrong side.
     one_component:
         "clusterer" (default): a group with exactly one component above the broken stick is
         clustered by ``clusterer`` on that component. "two_means": it is split in two along
@@ -624,11 +630,7 @@ class CLMACohorter(Cohorter):
             return {}
         gram = disp if disp is not None else displacement_gram(mat, ref,
                                                                block_bytes=self.block_bytes)
-        norms = np.sqrt(np.clip(np.diag(gram), 0.0, None))
-        safe = np.where(norms > 0.0, norms, 1.0)
-        cos = gram / np.outer(safe, safe)
-        cos[norms == 0.0, :] = 0.0
-        cos[:, norms == 0.0] = 0.0
+        cos = _cosines(gram)
         members = {g: [r for r, k in enumerate(keys) if k == g] for g in groups}
 
         def within_pairs(rows: list[int]) -> tuple[float, int]:
