@@ -192,18 +192,24 @@ def config_mismatch_message(config: FederationConfig, stored: Mapping[str, Any] 
                             field: str = "config") -> str:
     """The refusal of a ``config`` that differs from the federation ``stored`` (a config
     dump; None when the state directory has none, then no field is named) in a state
-    directory: ``field``, the differing field names (:func:`config_differences`, at most 8
-    named) and the fields that may change when resuming. Names only, never values."""
+    directory: ``field``, the differing field names (:func:`config_differences`, at most
+    :data:`NAMED_DIFFERENCES` named) and the fields that may change when resuming. Names only, never values."""
     names = [] if stored is None else config_differences(config, stored)
     return (f"{field}: differs from the federation stored in the state directory"
             + _at(names) + " (only "
             + ", ".join(RESUMABLE_FIELDS) + " may change when resuming)")
 
 
+#: Differing fields a refusal names (the rest are counted): enough for every field a
+#: change of ``cohort.method`` sets (clma.config.COHORT_METHODS, 10 with the method).
+NAMED_DIFFERENCES = 12
+
+
 def _at(names: list[str]) -> str:
     if not names:
         return ""
-    return " at " + ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8
+    k = NAMED_DIFFERENCES
+    return " at " + ", ".join(names[:k]) + (f" and {len(names) - k} more" if len(names) > k
                                             else "")
 
 

@@ -97,6 +97,7 @@ def make_cohorter(config: FederationConfig) -> CLMACohorter:
         leading_split_family_ratio=c.leading_split_family_ratio,
         cosine_refinement=c.cosine_refinement,
         one_component=c.one_component,
+        refit_without_outliers=c.refit_without_outliers,
     )
 
 

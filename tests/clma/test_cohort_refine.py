@@ -174,3 +174,71 @@ def test_a_diffuse_part_is_not_refined_into_a_coherent_one(seed):
     a = res.assignments
     assert len({a[c] for c in ids[:15]}) == 1 and len({a[c] for c in ids[15:]}) == 1
     assert a["c0"] != a["c15"]
+
+
+# ------------------------------------------------ the outlier refit (issue 46, failure mode 2)
+def _with_outlier(seed, outlier, n=14, p=200, s=8.0):
+    """Two families of ``n`` (s * e0 and s * e1 plus N(0, I_p)) and one client whose
+    displacement is ``outlier`` plus N(0, I_p): ``(ids, x, ref)``."""
+    rng = np.random.default_rng(seed)
+    ref = rng.standard_normal(p).astype(np.float32)
+    d = rng.standard_normal((2 * n + 1, p))
+    d[:n, 0] += s
+    d[n:2 * n, 1] += s
+    d[2 * n] += outlier
+    return [f"c{i}" for i in range(2 * n + 1)], (ref + d).astype(np.float32), ref
+
+
+_IMPROVED = {"components": "broken_stick", "direction_rule": "none",
+             "leading_split_alpha": 0.01, "leading_split_family_ratio": 0.7,
+             "cosine_refinement": True, "one_component": "two_means"}
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_one_outlying_client_no_longer_hides_two_families(seed):
+    """Label2, alpha 0.3, seed 11, round 4: one client's displacement (2.9x the median)
+    dominated the second component, k-means split 28 + 1 and both families shared the 28
+    (ARI -0.00). Here: one client drifting by 60 along e2 (plus its family's 8 along e1).
+    Without the refit, k-means splits 28 + 1 with both families in the 28; with it, the
+    group is split again without that client, the families come apart, and the client
+    joins the part closest in angle: its own family's."""
+    p = 200
+    out = np.zeros(p)
+    out[2], out[1] = 60.0, 8.0
+    ids, x, ref = _with_outlier(seed, out, p=p)
+    off = CLMACohorter(**_IMPROVED).cohort(ids, x, ref).assignments
+    assert sorted(np.bincount([off[c] for c in ids]).tolist()) == [1, 28]
+    assert off["c0"] == off["c14"]  # both families in one part
+    res = CLMACohorter(**_IMPROVED, refit_without_outliers=True).cohort(ids, x, ref)
+    a = res.assignments
+    assert len({a[c] for c in ids[:14]}) == 1 and len({a[c] for c in ids[14:]}) == 1
+    assert a["c0"] != a["c14"] and a["c28"] == a["c14"]
+    assert "; refit without 1 outlier(s) (parts of one client in: silhouette" in (
+        res.groups[0].reason)
+    assert res.groups[0].reason.endswith("1 joined the closest part")
+    assert res.groups[0].k == 2
+
+
+def test_an_outlier_pointing_away_from_every_part_keeps_its_own():
+    """A client whose displacement has a negative cosine with every part's summed
+    displacement (it drifted against both families) is not forced into one: it stays a
+    part of its own (``refit_without_outliers`` docs)."""
+    p = 200
+    out = np.zeros(p)
+    out[0] = out[1] = -45.0
+    ids, x, ref = _with_outlier(0, out, p=p)
+    res = CLMACohorter(**_IMPROVED, refit_without_outliers=True).cohort(ids, x, ref)
+    a = res.assignments
+    assert len({a[c] for c in ids[:14]}) == 1 and len({a[c] for c in ids[14:28]}) == 1
+    assert len({a["c0"], a["c14"], a["c28"]}) == 3
+    assert res.groups[0].reason.endswith("0 joined the closest part")
+
+
+def test_the_refit_is_off_in_the_class_and_the_paper_method():
+    from clma.config import validate_config
+    from clma.engine.round import make_cohorter
+
+    assert CLMACohorter().refit_without_outliers is False
+    assert make_cohorter(validate_config({})).refit_without_outliers is True
+    paper = validate_config({"cohort": {"method": "paper"}})
+    assert make_cohorter(paper).refit_without_outliers is False
