@@ -472,11 +472,13 @@ class CohortConfig(_Strict):
     )
     refit_without_outliers: bool = Field(
         default=True,
-        description="When k-means (or the one-component 2-means) leaves a part of one "
-        "client, split the group again without such clients, then put each in the new part "
-        "closest in angle (its own part if no cosine is positive): one outlying client "
-        "dominated the second component and k-means split 28 + 1 clients, both families in "
-        "the 28 (docs/realistic_drift.md section 8). False = the split as made "
+        description="With components='broken_stick': a client carrying more than half of "
+        "a component above the broken stick, or left alone in a part by k-means (or the "
+        "one-component 2-means), is set aside; the group is split again without such "
+        "clients, then each joins the new part closest in angle (its own part if no cosine "
+        "is positive). One outlying client took a component: k-means split 28 + 1 with both "
+        "families in the 28, and a family drifting again was cut along it "
+        "(docs/realistic_drift.md section 8). False = the split as made "
         "(cohort.method = 'paper').",
     )
 
