@@ -361,6 +361,15 @@ def _family_ratio(disp: np.ndarray, rows: list[int], labels: np.ndarray) -> floa
     return across / within if within > 0.0 else float("inf")
 
 
+def _ratio_note(ratio: float | None) -> str:
+    """The family test's figure for a split that was kept, as the diagnostics print it."""
+    if ratio is None:
+        return ""
+    if ratio == float("-inf"):
+        return "; across displacement cosine <= 0: the sides drift apart"
+    return f"; across/within displacement cosine {ratio:.2f}"
+
+
 def _below_floor(disp: np.ndarray, rows: list[int], ref_sq: float, floor: float) -> bool:
     """Whether the group's RMS spread about its mean is at most ``floor`` times the
     vectors' scale ``sqrt(||r||^2 + max ||x_i - r||^2)`` (``CLMACohorter.spread_floor``)."""
@@ -768,9 +777,7 @@ class CLMACohorter(Cohorter):
                     sub = two
                     clustered = True  # a split on a component above the broken stick
                     diag = (direction, rows, 1, pca.retained_variance, 2, {},
-                            what + ("" if ratio is None else
-                                    f"; across/within displacement cosine "
-                                    f"{ratio:.2f}") + ")")
+                            what + _ratio_note(ratio) + ")")
             elif ratio is not None and ratio >= self.leading_split_family_ratio:
                 sub = np.zeros(len(rows), dtype=np.int64)
                 diag = (direction, rows, 0, 0.0, 1, {},
@@ -781,9 +788,7 @@ class CLMACohorter(Cohorter):
                 sub = split.labels
                 diag = (direction, rows, 1, float(lead.explained_variance_ratio[0]),
                         2, {}, f"leading component split ({test}"
-                        + ("" if ratio is None else
-                           f"; across/within displacement cosine {ratio:.2f}")
-                        + ")")
+                        + _ratio_note(ratio) + ")")
             elif self.components == "broken_stick" and pca.n_components == 0:
                 sub = np.zeros(len(rows), dtype=np.int64)
                 diag = (direction, rows, 0, 0.0, 1, {},
