@@ -338,10 +338,14 @@ def cosine_refine(gram: np.ndarray, labels: np.ndarray, max_iter: int = 10
         if len(np.unique(new)) < 2 or (new == lab).all():
             break
         lab = new
-    _, first = np.unique(lab, return_index=True)
-    order = {int(k): i for i, k in enumerate(lab[np.sort(first)])}
-    out = np.array([order[int(k)] for k in lab], dtype=np.int64)
-    return out, int((lab != start).sum())
+    return _in_order_of_appearance(lab), int((lab != start).sum())
+
+
+def _in_order_of_appearance(labels: np.ndarray) -> np.ndarray:
+    """``(n,)`` int64 labels renumbered 0, 1, ... in order of first appearance."""
+    _, first = np.unique(labels, return_index=True)
+    order = {int(k): i for i, k in enumerate(labels[np.sort(first)])}
+    return np.array([order[int(k)] for k in labels], dtype=np.int64)
 
 
 def _family_ratio(disp: np.ndarray, rows: list[int], labels: np.ndarray) -> float:
@@ -829,12 +833,13 @@ class CLMACohorter(Cohorter):
         """The outlier refit (``refit_without_outliers``): the clients that carry a
         component above the broken stick, or that a clustered split left in parts of one,
         are set aside; the group is split again without them, then each of them joins the
-        new part whose summed displacement is closest in angle (its own part when no
-        cosine is positive)."""
+        new part whose summed displacement is closest in angle by :data:`JOIN_MARGIN`, or
+        keeps a part of its own (the class's parameter docs)."""
         sizes = np.bincount(sub)
-        lone = sorted(set(carriers) | ({i for i in range(len(rows)) if sizes[sub[i]] == 1}
-                                       if clustered and len(sizes) > 1 else set()))
-        kept = [i for i in range(len(rows)) if i not in set(lone)]
+        alone = ({i for i in range(len(rows)) if sizes[sub[i]] == 1}
+                 if clustered and len(sizes) > 1 else set())
+        lone = sorted(set(carriers) | alone)
+        kept = [i for i in range(len(rows)) if i not in alone and i not in carriers]
         if not lone or len(kept) < 4:
             return sub, diag
         kept_rows = [rows[i] for i in kept]
@@ -847,10 +852,10 @@ class CLMACohorter(Cohorter):
         joined = 0
         for i in lone:
             r = rows[i]
+            d = float(disp[r, r])
             cos = {}
             for k, m in parts.items():
                 t = float(disp[np.ix_(m, m)].sum())
-                d = float(disp[r, r])
                 if t > 0.0 and d > 0.0:
                     cos[k] = float(disp[r, m].sum()) / np.sqrt(d * t)
             ranked = sorted(cos.items(), key=lambda kv: -kv[1])
@@ -862,11 +867,9 @@ class CLMACohorter(Cohorter):
                 labels[i], fresh = fresh, fresh + 1
             else:
                 labels[i], joined = best, joined + 1
-        _, first = np.unique(labels, return_index=True)
-        order = {int(k): j for j, k in enumerate(labels[np.sort(first)])}
-        labels = np.array([order[int(k)] for k in labels], dtype=np.int64)
+        labels = _in_order_of_appearance(labels)
         _, _, nc, rv, _, sil, reason = diag2
-        return labels, (direction, rows, nc, rv, len(order), sil,
+        return labels, (direction, rows, nc, rv, int(labels.max()) + 1, sil,
                         f"{reason}; refit without {len(lone)} outlier(s) (a client carrying "
                         f"a component or a part of one client in: {diag[6]}), {joined} "
                         f"joined the closest part")
