@@ -29,8 +29,13 @@
 # activate SuperNode"). Flower refuses SuperNode authentication without TLS.
 #
 # Environment (all optional):
-#   CLMA_FLOWER_DIR        run folder: pid files, logs, databases, node folders
+#   CLMA_FLOWER_DIR        run folder: pid files, logs, keys, node folders
 #                          (default $CLMA_INFRA_DIR/flower-local)
+#   CLMA_FLOWER_DATABASE   SuperLink state file (SQLite); unset = Flower's in-memory state,
+#                          the default: flwr 1.42's SQLite state waits at most 5 s for its
+#                          lock, and under load (ten SuperNodes on 2 cores) requests then
+#                          fail with "database is locked" (HTTP 500), which ends the run.
+#                          A file keeps the SuperLink's runs and nodes over a restart of it.
 #   CLMA_FLOWER_HOST       loopback address (default 127.0.0.1)
 #   CLMA_FLOWER_PORT       SuperLink port, all its APIs (default 9093)
 #   CLMA_FLOWER_NODE_PORT  first SuperNode Runtime API port; node i uses +i (default 9110)
@@ -52,6 +57,7 @@ HOST="${CLMA_FLOWER_HOST:-127.0.0.1}"
 PORT="${CLMA_FLOWER_PORT:-9093}"
 NODE_PORT="${CLMA_FLOWER_NODE_PORT:-9110}"
 TLS="${CLMA_FLOWER_TLS:-}"
+DATABASE="${CLMA_FLOWER_DATABASE:-}"
 DATA_SOURCE="${CLMA_FLOWER_DATA_SOURCE:-clma.sim.demo:simulated_shard}"
 NODE_EXTRA="${CLMA_FLOWER_NODE_CONFIG:-}"
 case "$DATA_SOURCE" in
@@ -238,9 +244,11 @@ cmd_start() {
         : >"$RUN/register.log"
     fi
     mkdir -p "$RUN/superlink-home"
+    local state=()  # no --database: Flower's in-memory state (see CLMA_FLOWER_DATABASE)
+    [ -n "$DATABASE" ] && state=(--database "$DATABASE")
     # a new session (setsid) per process: stop signals its whole process group
-    FLWR_HOME="$RUN/superlink-home" setsid "$superlink" "${tls_link[@]}" \
-        --host "$HOST" --port "$PORT" --database "$RUN/superlink.db" \
+    FLWR_HOME="$RUN/superlink-home" setsid "$superlink" "${tls_link[@]}" "${state[@]}" \
+        --host "$HOST" --port "$PORT" \
         --disable-runtime-dependency-installation >"$RUN/superlink.log" 2>&1 </dev/null &
     echo $! >"$RUN/superlink.pid"
     wait_for "SuperLink" "$RUN/superlink.pid" "$RUN/superlink.log" "Uvicorn running" || { cmd_stop >/dev/null; exit 1; }

@@ -104,3 +104,35 @@ def test_a_data_source_that_is_not_module_function_is_refused(tmp_path, value):
     assert r.returncode == 1
     assert f"CLMA_FLOWER_DATA_SOURCE='{value}': must be package.module:function" in r.stderr
     assert not (tmp_path / "run").exists()
+
+
+def _superlink_args(run: Path) -> list[str]:
+    pid = (run / "superlink.pid").read_text().strip()
+    return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+
+
+@pytest.mark.server
+def test_the_superlink_keeps_its_state_in_memory_unless_a_file_is_named(tmp_path):
+    # Under load flwr 1.42's SQLite state fails requests with "database is locked" after its
+    # 5 s busy timeout, which ended a ten-node run on CI; the in-memory state has no such
+    # lock. A named file is the operator's choice (state kept over a SuperLink restart).
+    from tests.flower.test_deployment import _leftovers
+
+    for name, env in (("memory", {}), ("file", {"CLMA_FLOWER_DATABASE": "FILE"})):
+        run = tmp_path / name
+        db = tmp_path / f"{name}.db"
+        env = {k: str(db) if v == "FILE" else v for k, v in env.items()}
+        try:
+            up = _run(run, "start", "1", timeout=300, **env)
+            assert up.returncode == 0, up.stdout + up.stderr
+            args = _superlink_args(run)
+            if name == "memory":
+                assert "--database" not in args
+                assert not list(tmp_path.rglob("*.db")), "no state file without one named"
+            else:
+                assert args[args.index("--database") + 1] == str(db)
+                assert db.is_file() and db.stat().st_size > 0
+        finally:
+            down = _run(run, "stop", timeout=120)
+            assert down.returncode == 0, down.stdout + down.stderr
+        assert not _leftovers(str(run))
