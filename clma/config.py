@@ -353,6 +353,7 @@ COHORT_METHODS: dict[str, dict[str, Any]] = {
                  "cohort.cosine_refinement": True,
                  "cohort.one_component": "two_means",
                  "cohort.refit_without_outliers": True,
+                 "cohort.client_choice": True,
                  "training.server_learning_rate": 1.5,
                  "training.server_learning_rate_scope": "drift_cohorts"},
     "paper": {"cohort.components": "variance", "cohort.direction_rule": "auto",
@@ -361,6 +362,7 @@ COHORT_METHODS: dict[str, dict[str, Any]] = {
               "cohort.cosine_refinement": False,
               "cohort.one_component": "clusterer",
               "cohort.refit_without_outliers": False,
+              "cohort.client_choice": False,
               "training.server_learning_rate": 1.0,
               "training.server_learning_rate_scope": "all"},
 }
@@ -399,7 +401,7 @@ class CohortConfig(_Strict):
         "did not change). The method fills "
         "cohort.components, cohort.direction_rule, cohort.leading_split_alpha, "
         "cohort.leading_split_family_ratio, cohort.cosine_refinement, cohort.one_component, "
-        "cohort.refit_without_outliers, "
+        "cohort.refit_without_outliers, cohort.client_choice, "
         "training.server_learning_rate and training.server_learning_rate_scope where the "
         "config does not set them (clma.config.COHORT_METHODS).",
     )
@@ -479,6 +481,16 @@ class CohortConfig(_Strict):
         "is positive). One outlying client took a component: k-means split 28 + 1 with both "
         "families in the 28, and a family drifting again was cut along it "
         "(docs/realistic_drift.md section 8). False = the split as made "
+        "(cohort.method = 'paper').",
+    )
+    client_choice: bool = Field(
+        default=True,
+        description="After a drift round splits a cohort's quarantined clients into two or "
+        "more new cohorts, each of those clients scores the new cohorts' models on its own "
+        "evaluation data and answers the id of the one with the lowest loss (IFCA's rule, "
+        "applied once; the loss never leaves the device); a client choosing another cohort "
+        "moves there for the next round. Mends clients whose update carries too little to "
+        "cluster (docs/realistic_drift.md section 8). False = the split stands "
         "(cohort.method = 'paper').",
     )
 
@@ -843,6 +855,7 @@ CONFIG_ADDITIONS: tuple[tuple[str, Any], ...] = (
     ("cohort.cosine_refinement", False),
     ("cohort.one_component", "clusterer"),
     ("cohort.refit_without_outliers", False),
+    ("cohort.client_choice", False),
 )
 
 def config_hash(data: Mapping[str, Any]) -> str:

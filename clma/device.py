@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -60,6 +61,7 @@ __all__ = [
     "DeviceSecAgg",
     "LocalFit",
     "LocalLearner",
+    "choose_cohort",
     "quantised_report",
     "train_on_device",
 ]
@@ -96,6 +98,10 @@ class LocalLearner(Protocol):
         on the local evaluation data of this round."""
         ...
 
+    # Optional: ``predict_training(params, round_number)``, the same on the current local
+    # training data. :func:`choose_cohort` then scores all local records; without it, the
+    # evaluation records only (fewer: a weaker choice, docs/realistic_drift.md section 8).
+
 
 def train_on_device(client_id: int, cohort_id: int, params: np.ndarray, settings: TrainSettings,
                     round_number: int, learner: LocalLearner,
@@ -124,6 +130,53 @@ def train_on_device(client_id: int, cohort_id: int, params: np.ndarray, settings
     history.record(round_number, det.state_dict())
     return ClientUpdate(int(client_id), int(cohort_id), np.asarray(fit.params, dtype=np.float32),
                         int(fit.n_samples), flag)
+
+
+def choose_cohort(candidates: Sequence[int], models: Mapping[int, np.ndarray],
+                  learner: LocalLearner, round_number: int) -> int:
+    """The cohort, among ``candidates``, whose model fits this device's data best: the
+    lowest mean cross-entropy (nats) over all its local records of the round -- the
+    training records (``learner.predict_training``, when the learner has it) and the
+    evaluation records (``learner.predict``). IFCA's cluster-identity estimate (Ghosh et
+    al., "An Efficient Framework for Clustered Federated Learning", NeurIPS 2020), applied
+    once, after a split. Ties keep the first candidate (the cohort the split chose). Only
+    the returned id leaves the device; the losses do not.
+
+    Args:
+        candidates: cohort ids, the split's choice first.
+        models: cohort id -> float32 model vector ``(n_params,)`` (every candidate).
+        learner: the device's model and data.
+        round_number: the round (the data of that round are scored).
+
+    Raises:
+        ValueError: no candidates, no local records, or probabilities whose shape does not
+            match the labels (a transport turns it into a failed reply: the client keeps
+            the split's cohort).
+    """
+    if not candidates:
+        raise ValueError("candidates: at least one cohort to choose among")
+    scorers = [learner.predict]
+    if callable(getattr(learner, "predict_training", None)):
+        scorers.insert(0, learner.predict_training)  # type: ignore[attr-defined]
+    best, best_loss = int(candidates[0]), math.inf
+    for k in candidates:
+        params = np.asarray(models[k], dtype=np.float32)
+        total, n = 0.0, 0
+        for score in scorers:
+            proba, labels = score(params, round_number)
+            proba, labels = np.asarray(proba, dtype=np.float64), np.asarray(labels)
+            if labels.ndim != 1 or proba.ndim != 2 or proba.shape[0] != labels.size:
+                raise ValueError(f"learner.{score.__name__}: probabilities must be "
+                                 "(n, n_classes) for n labels")
+            p = proba[np.arange(labels.size), labels.astype(np.int64)]
+            total += float(-np.log(np.clip(p, 1e-12, None)).sum())
+            n += labels.size
+        if n == 0:
+            raise ValueError("learner: no local records to choose a cohort with")
+        loss = total / n
+        if loss < best_loss:
+            best, best_loss = int(k), loss
+    return best
 
 
 def quantised_report(probabilities: Any, labels: Any, layout: DeviceMetricLayout,

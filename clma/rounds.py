@@ -84,6 +84,8 @@ class CohortingOutcome:
     parents: dict[int, int] = field(default_factory=dict)
     ks_statistics: dict[int, float] = field(default_factory=dict)
     diagnostics: dict[int, dict[str, Any]] = field(default_factory=dict)
+    #: client id -> the cohort it chose over the split's (``cohort.client_choice``)
+    moved: dict[int, int] = field(default_factory=dict)
 
 
 def select_clients(

@@ -24,6 +24,7 @@ _EXPORTS: dict[str, str] = {
     "open_budget": "clma.engine.budget",
     "policy_of": "clma.engine.budget",
     "TRANSPORTS": "clma.engine.clients",
+    "ChoiceRequest": "clma.engine.clients",
     "ClientInfo": "clma.engine.clients",
     "Clients": "clma.engine.clients",
     "Replies": "clma.engine.clients",

@@ -26,6 +26,10 @@ call                        the client side does
 ``secagg_share_keys(...)``  Shamir-shares its secrets to its neighbours (encrypted)
 ``secagg_masked_input(...)`` receives its shares, answers its masked report
 ``secagg_unmask(...)``      answers the unmasking request once per session
+``choose(request)``         (after a drift round's split, under ``cohort.client_choice``)
+                            scores each candidate cohort's model on its local evaluation
+                            data and answers the id of the one it fits best
+                            (:func:`clma.device.choose_cohort`; never a loss)
 ``close()``                 releases the transport (processes, connections)
 ==========================  ==========================================================
 
@@ -72,6 +76,7 @@ if TYPE_CHECKING:  # annotation only: devices import this module without the met
 
 __all__ = [
     "TRANSPORTS",
+    "ChoiceRequest",
     "ClientInfo",
     "Clients",
     "ClientUpdate",
@@ -82,6 +87,7 @@ __all__ = [
     "ShareKeysRequest",
     "TrainRequest",
     "TrainSettings",
+    "check_choice",
     "check_update",
 ]
 
@@ -234,6 +240,30 @@ class ShareKeysRequest:
     neighbours: tuple[int, ...]
 
 
+@dataclass(frozen=True)
+class ChoiceRequest:
+    """After a drift round split a cohort's quarantined clients: each of them chooses
+    among the cohorts the split made (IFCA's rule, Ghosh et al. 2020, applied once).
+
+    Attributes:
+        round: the round of the split.
+        candidates: client id -> the cohort ids it chooses among (its own first: the
+            cohort the split put it in, kept on ties).
+        models: cohort id -> float32 model vector ``(n_params,)`` of every candidate.
+    """
+
+    round: int
+    candidates: Mapping[int, tuple[int, ...]]
+    models: Mapping[int, np.ndarray]
+
+    def for_clients(self, client_ids: Sequence[int]) -> ChoiceRequest:
+        """The same request restricted to ``client_ids`` (and the models they need)."""
+        c = {int(i): self.candidates[int(i)] for i in client_ids}
+        return ChoiceRequest(self.round, c,
+                             {k: self.models[k] for k in sorted({k for v in c.values()
+                                                                  for k in v})})
+
+
 @runtime_checkable
 class Clients(Protocol):
     """What a transport implements (module docstring). ``transport`` is one of
@@ -259,7 +289,23 @@ class Clients(Protocol):
         self, round: int, requests: Mapping[int, Mapping[str, UnmaskingRequest]]  # noqa: A002
     ) -> Replies[Mapping[str, UnmaskingResponse]]: ...
 
+    def choose(self, request: ChoiceRequest) -> Replies[int]: ...
+
     def close(self) -> None: ...
+
+
+def check_choice(choice: object, request: ChoiceRequest, client_id: int) -> str | None:
+    """Why a choice reply cannot be used (None: it can). Never raises.
+
+    Rule: an ``int`` (not a bool) among the candidates the request gave ``client_id``.
+    """
+    if client_id not in request.candidates:
+        return "reply from a client the request did not ask"
+    if isinstance(choice, bool) or not isinstance(choice, int | np.integer):
+        return "choice: must be an integer cohort id"
+    if int(choice) not in request.candidates[client_id]:
+        return "choice: not one of the candidate cohorts"
+    return None
 
 
 def check_update(update: object, request: TrainRequest, n_params: int) -> str | None:

@@ -14,7 +14,9 @@ evaluation), as :class:`FederationEngine` steps over one :class:`RoundContext`:
 5. :meth:`~FederationEngine.aggregate` — FedAvg within each cohort over the non-quarantined
    members, or DP-FedAvg after one training charge in the ledger;
 6. :meth:`~FederationEngine.cohort` — signed KS -> Gram PCA -> clustering of the
-   quarantined clients into new child cohorts;
+   quarantined clients into new child cohorts; under ``cohort.client_choice``
+   (:meth:`~FederationEngine.choose`) the clients of a split then choose among its new
+   cohorts on their own data (one more call of the seam; only a cohort id comes back);
 7. :meth:`~FederationEngine.merge` — cohorts whose models reconverged merge (optional);
 8. :meth:`~FederationEngine.end_training` — commit the DP charge, install the models,
    record the round in the registry;
@@ -59,7 +61,15 @@ from clma.engine.budget import (
     dp_new_cohort_model,
     policy_of,
 )
-from clma.engine.clients import Clients, Replies, TrainRequest, TrainSettings, check_update
+from clma.engine.clients import (
+    ChoiceRequest,
+    Clients,
+    Replies,
+    TrainRequest,
+    TrainSettings,
+    check_choice,
+    check_update,
+)
 from clma.engine.divergence import DivergenceOutcome, score_divergence
 from clma.engine.evaluation import EvaluationOutcome, PrivateEvaluator, SecureSums
 from clma.engine.state import ServerAssets, ServerState
@@ -401,7 +411,54 @@ class FederationEngine:
             new_model=new_model, weights=ctx.weights,
             atypical=ctx.divergence.flagged if ctx.divergence is not None else (),
             history=self._history())
+        if self.config.cohort.client_choice:
+            self.choose(ctx)
         return ctx.cohorting
+
+    def choose(self, ctx: RoundContext) -> dict[int, int]:
+        """``cohort.client_choice``: the clients of every source cohort split into two or
+        more new cohorts choose among them on their own data (:class:`ChoiceRequest`,
+        :func:`clma.device.choose_cohort`); a client that answers another of its
+        candidates is moved there (registry ``move``, reason "client choice"; a cohort the
+        moves empty is retired). The new cohorts' first models stay as the split made them
+        (released once: under DP-FedAvg they were charged); a moved client trains in its
+        chosen cohort from the next round. A client that fails, or answers something other
+        than one of its candidates, keeps the split's cohort; so does every client of a
+        transport without ``choose``. Afterwards ``ctx.cohorting.new_cohorts`` holds the
+        members of the still-active new cohorts. Returns client id -> the cohort it moved
+        to (also ``ctx.cohorting.moved``)."""
+        out = ctx.cohorting
+        by_parent: dict[int, list[int]] = {}
+        for k in sorted(out.new_cohorts):
+            by_parent.setdefault(out.parents[k], []).append(k)
+        candidates: dict[int, tuple[int, ...]] = {}
+        for kids in by_parent.values():
+            if len(kids) < 2:
+                continue
+            for k in kids:
+                for c in out.new_cohorts[k]:
+                    candidates[int(c)] = (k, *[j for j in kids if j != k])
+        ask = getattr(self.clients, "choose", None)
+        if not candidates or ask is None:
+            return {}
+        request = ChoiceRequest(ctx.round, candidates,
+                                {k: ctx.models[k] for kids in by_parent.values()
+                                 if len(kids) >= 2 for k in kids})
+        replies = ask(request)
+        reg = self.state.registry
+        for c in sorted(candidates):
+            if c in replies.failed or c not in replies.ok:
+                continue
+            if check_choice(replies.ok[c], request, c) is not None:
+                continue
+            k = int(replies.ok[c])
+            if k != candidates[c][0]:
+                reg.move(c, k, ctx.round, reason="client choice")
+                out.moved[c] = k
+        active = set(reg.active_cohorts())
+        out.new_cohorts = {k: reg.members(k) for k in out.new_cohorts if k in active}
+        out.parents = {k: p for k, p in out.parents.items() if k in active}
+        return dict(out.moved)
 
     def _history(self) -> Any:
         """The update history under ``cohort.features = "relative"`` (else None)."""

@@ -15,7 +15,9 @@ Flower transport's calls (:mod:`clma.flower.transport`, wire format
 * ``evaluate.clma_advertise`` -- the metric report on the local evaluation data, clipped
   and quantised (:func:`clma.device.quantised_report`), and the public keys of every
   secure-aggregation session the node is in (:class:`clma.device.DeviceSecAgg`);
-* ``evaluate.clma_share_keys`` / ``clma_masked`` / ``clma_unmask`` -- the next steps.
+* ``evaluate.clma_share_keys`` / ``clma_masked`` / ``clma_unmask`` -- the next steps;
+* ``query.clma_choose`` -- after a split, :func:`clma.device.choose_cohort`: the candidate
+  cohort whose model has the lowest loss on the local evaluation data (its id only).
 
 Device state -- the detector's :class:`RoundKeyedState`, the round's
 :class:`DeviceSecAgg` secrets and the replies already given -- lives in the node's
@@ -268,6 +270,19 @@ def _advertise(msg: Message, context: Context, factory: Callable[[Context], Any]
     return RecordDict({codec.RECORD: _reply_header(call, req.round, req.client_id, payload)})
 
 
+def _choose(msg: Message, context: Context, factory: Callable[[Context], Any]) -> RecordDict:
+    import torch
+
+    from clma.device import choose_cohort
+
+    torch.set_num_threads(1)
+    req = codec.decode_choice_request(msg.content)
+    if req.client_id != _partition_id(context):
+        raise DeviceRefusal("choose: the request names another client than this node")
+    k = choose_cohort(req.candidates, req.models, factory(context), req.round)
+    return codec.encode_choice_reply(req.round, req.client_id, k)
+
+
 def _reply_header(call: str, round_number: int, client_id: int, payload: bytes) -> Any:
     from flwr.app import ConfigRecord
 
@@ -340,6 +355,7 @@ _HANDLERS: dict[str, Callable[[Message, Context, Any], RecordDict]] = {
     "secagg_share_keys": _step("secagg_share_keys", "share_keys"),
     "secagg_masked_input": _step("secagg_masked_input", "masked_input"),
     "secagg_unmask": _step("secagg_unmask", "unmask"),
+    "choose": _choose,
 }
 
 

@@ -28,6 +28,8 @@ call                   message type                 request / reply
                                                     vector per session
 ``secagg_unmask``      ``evaluate.clma_unmask``     survivors + dropped per session /
                                                     unmasking shares per session
+``choose``             ``query.clma_choose``        candidate cohorts and their models
+                                                    (``model-<id>``) / ``cohort-id``
 =====================  ===========================  =====================================
 
 Decoding never trusts the sender: every field's type, range and length is checked and a
@@ -48,7 +50,13 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
 from clma.drift.spec import DetectorSpec
-from clma.engine.clients import ReportRequest, SecAggSession, ShareKeysRequest, TrainSettings
+from clma.engine.clients import (
+    ChoiceRequest,
+    ReportRequest,
+    SecAggSession,
+    ShareKeysRequest,
+    TrainSettings,
+)
 from clma.privacy.secagg import (
     SHAMIR_PRIME,
     AdvertiseKeys,
@@ -72,6 +80,9 @@ __all__ = [
     "step_payload",
     "DeviceReportRequest",
     "DeviceTrainRequest",
+    "DeviceChoiceRequest",
+    "decode_choice_reply",
+    "decode_choice_request",
     "decode_report_request",
     "decode_roster_layout",
     "decode_roster_reply",
@@ -79,6 +90,8 @@ __all__ = [
     "decode_step_request",
     "decode_train_reply",
     "decode_train_request",
+    "encode_choice_reply",
+    "encode_choice_request",
     "encode_report_request",
     "encode_roster_reply",
     "encode_roster_request",
@@ -102,6 +115,7 @@ MESSAGE_TYPES: dict[str, str] = {
     "secagg_share_keys": "evaluate.clma_share_keys",
     "secagg_masked_input": "evaluate.clma_masked",
     "secagg_unmask": "evaluate.clma_unmask",
+    "choose": "query.clma_choose",
 }
 CALLS = tuple(MESSAGE_TYPES)
 #: The three secure-aggregation steps after advertising (request and reply: payload only).
@@ -426,6 +440,68 @@ def decode_train_reply(content: Any, *, round_number: int, client_id: int, cohor
     n = _int(m.get(NUM_EXAMPLES), f"{METRICS}.{NUM_EXAMPLES}", 1, MAX_SAMPLES)
     flag = _int(m.get(DRIFT_FLAG), f"{METRICS}.{DRIFT_FLAG}", 0, 1)
     return ClientUpdate(client_id, cohort_id, _vector(content, PARAMS, n_params), n, bool(flag))
+
+
+# ----------------------------------------------------------------------------- choose
+
+#: at most this many candidate cohorts in one choice (a split makes few)
+MAX_CANDIDATES = 64
+
+
+@dataclass(frozen=True)
+class DeviceChoiceRequest:
+    """What one device receives to choose its cohort after a split (decoded)."""
+
+    round: int
+    client_id: int
+    candidates: tuple[int, ...]
+    models: dict[int, np.ndarray]
+
+
+def encode_choice_request(request: ChoiceRequest, client_id: int) -> RecordDict:
+    """The choose message for one client of a :class:`~clma.engine.clients.ChoiceRequest`:
+    its candidates (the split's cohort first) and one ``model-<id>`` vector each."""
+    cands = [int(k) for k in request.candidates[client_id]]
+    head = _header("choose", request.round, client_id, candidates=cands)
+    arrays = ArrayRecord({f"model-{k}": Array(np.ascontiguousarray(
+        np.asarray(request.models[k], dtype=np.float32).ravel())) for k in cands})
+    return RecordDict({RECORD: head, ARRAYS: arrays})
+
+
+def decode_choice_request(content: Any) -> DeviceChoiceRequest:
+    rec = header_of(content, "choose")
+    raw = rec.get("candidates")
+    if not isinstance(raw, list) or not 1 <= len(raw) <= MAX_CANDIDATES:
+        raise CodecError(f"{RECORD}.candidates: must be a list of 1 to {MAX_CANDIDATES} "
+                         "cohort ids")
+    cands = tuple(_int(k, f"{RECORD}.candidates") for k in raw)
+    if len(set(cands)) != len(cands):
+        raise CodecError(f"{RECORD}.candidates: must not repeat a cohort")
+    arrays = content.array_records.get(ARRAYS) if ARRAYS in content else None
+    if not isinstance(arrays, ArrayRecord):
+        raise CodecError(f"{ARRAYS}: the ArrayRecord is missing")
+    if sorted(arrays.keys()) != sorted(f"model-{k}" for k in cands):
+        raise CodecError(f"{ARRAYS}: must hold exactly one array model-<id> per candidate")
+    models = {k: _vector(RecordDict({ARRAYS: ArrayRecord({MODEL: arrays[f"model-{k}"]})}),
+                         MODEL) for k in cands}
+    if len({v.shape for v in models.values()}) != 1:
+        raise CodecError(f"{ARRAYS}: the candidates' models must have the same length")
+    return DeviceChoiceRequest(int(rec["round"]), int(rec["client-id"]), cands, models)
+
+
+def encode_choice_reply(round_number: int, client_id: int, cohort_id: int) -> RecordDict:
+    return RecordDict({RECORD: _header("choose", round_number, client_id,
+                                       **{"cohort-id": _int(cohort_id, "cohort-id")})})
+
+
+def decode_choice_reply(content: Any, *, round_number: int, client_id: int,
+                        candidates: Sequence[int]) -> int:
+    """The cohort id one node chose, among the ``candidates`` it was sent."""
+    rec = header_of(content, "choose", round_number=round_number, client_id=client_id)
+    k = _int(rec.get("cohort-id"), f"{RECORD}.cohort-id")
+    if k not in candidates:
+        raise CodecError(f"{RECORD}.cohort-id: not one of the candidate cohorts")
+    return k
 
 
 # ----------------------------------------------------------------------------- advertise

@@ -116,17 +116,27 @@ class TorchLearner:
                         inputs=np.concatenate(inputs) if keep_inputs else None)
 
     def predict(self, params: np.ndarray, round_number: int) -> tuple[np.ndarray, np.ndarray]:
+        return self._predict(params, round_number, self.eval_loader, "eval_loader")
+
+    def predict_training(self, params: np.ndarray, round_number: int
+                         ) -> tuple[np.ndarray, np.ndarray]:
+        """As :meth:`predict`, on the training batches of the pre-training loss
+        (``pre_loss_loader``): :func:`clma.device.choose_cohort` scores all local records."""
+        return self._predict(params, round_number, self.pre_loss_loader, "pre_loss_loader")
+
+    def _predict(self, params: np.ndarray, round_number: int, loader: Loader, name: str
+                 ) -> tuple[np.ndarray, np.ndarray]:
         import torch
 
         model = self._model(params)
         model.eval()
         probs, labels = [], []
         with torch.no_grad():
-            for x, y in _batches(self.eval_loader, round_number):
+            for x, y in _batches(loader, round_number):
                 probs.append(torch.softmax(model(x), dim=1).double().numpy())
                 labels.append(np.asarray(y, dtype=np.int64))
         if not probs:
-            raise ValueError("eval_loader: yielded no example")
+            raise ValueError(f"{name}: yielded no example")
         return np.concatenate(probs), np.concatenate(labels)
 
 

@@ -55,6 +55,7 @@ from flwr.app import Message
 
 from clma.config import FederationConfig
 from clma.engine.clients import (
+    ChoiceRequest,
     ClientInfo,
     Replies,
     ReportRequest,
@@ -523,6 +524,24 @@ class FlowerTransport:
     def secagg_unmask(self, round: int,  # noqa: A002
                       requests: Mapping[int, Mapping[str, Any]]) -> Replies:
         return self._simple("secagg_unmask", round, requests)
+
+    def choose(self, request: ChoiceRequest) -> Replies[int]:
+        known, unknown = self._split(list(request.candidates))
+        old = [c for c in known if c in self.fedclma_clients]  # fed-clma's app cannot choose
+        contents = {c: codec.encode_choice_request(request, c) for c in known if c not in old}
+
+        def decode(c: int, content: Any) -> int:
+            return codec.decode_choice_reply(content, round_number=request.round,
+                                             client_id=c, candidates=request.candidates[c])
+
+        out: Replies[int] = (
+            self._exchange("choose", request.round, contents, decode,
+                           store=lambda k: str(int(k)).encode("ascii"),
+                           load=lambda c, b: int(b.decode("ascii")), unknown=unknown)
+            if contents else Replies({}, {c: "not a connected node of this federation"
+                                          for c in unknown}))
+        out.failed.update({c: "fed-clma's ClientApp has no choose call" for c in old})
+        return out
 
     def close(self) -> None:
         """Nothing to release: the grid belongs to the ServerApp."""

@@ -28,9 +28,16 @@ from typing import Any
 
 import numpy as np
 
-from clma.device import DeviceSecAgg, LocalFit, quantised_report, train_on_device
+from clma.device import (
+    DeviceSecAgg,
+    LocalFit,
+    choose_cohort,
+    quantised_report,
+    train_on_device,
+)
 from clma.drift import RoundKeyedState
 from clma.engine.clients import (
+    ChoiceRequest,
     ClientInfo,
     Replies,
     ReportRequest,
@@ -145,6 +152,11 @@ class SimLearner:
         _, _, ex, ey = self.data(round_number)
         return predict_proba(self.fed.spec, params, ex), ey
 
+    def predict_training(self, params: np.ndarray, round_number: int
+                         ) -> tuple[np.ndarray, np.ndarray]:
+        tx, ty, _, _ = self.data(round_number)
+        return predict_proba(self.fed.spec, params, tx), ty
+
 
 class SimulatedClients:
     """The devices of a simulated federation, in process (module docstring).
@@ -245,6 +257,19 @@ class SimulatedClients:
     def secagg_unmask(self, round: int, requests: Mapping[int, Mapping[str, UnmaskingRequest]]  # noqa: A002
                       ) -> Replies[Mapping[str, UnmaskingResponse]]:
         return self._step(round, requests, "unmasking", "unmask")
+
+    def choose(self, request: ChoiceRequest) -> Replies[int]:
+        out: Replies[int] = Replies()
+        for c, candidates in sorted(request.candidates.items()):
+            if c not in self.learners:
+                out.failed[c] = "not a client of this transport"
+                continue
+            try:
+                out.ok[c] = choose_cohort(candidates, request.models, self.learners[c],
+                                          request.round)
+            except Exception as exc:
+                out.failed[c] = f"device error: {type(exc).__name__}"
+        return out
 
     def close(self) -> None:
         self._secagg.clear()

@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from clma.config import FederationConfig
-from clma.engine.clients import Replies, ReportRequest, Roster, TrainRequest
+from clma.engine.clients import ChoiceRequest, Replies, ReportRequest, Roster, TrainRequest
 
 __all__ = ["DaskClients", "DeviceHost", "open_dask_clients"]
 
@@ -111,6 +111,17 @@ class DaskClients:
             return (request.for_clients(mine),) if mine else None
 
         out = self._fan_out("train", split)
+        out.failed.update({c: "not a client of this transport" for c in unknown})
+        return out
+
+    def choose(self, request: ChoiceRequest) -> Replies:
+        unknown = [c for c in request.candidates if c not in self._owner]
+
+        def split(w: str) -> tuple | None:
+            mine = [c for c in request.candidates if self._owner.get(c) == w]
+            return (request.for_clients(mine),) if mine else None
+
+        out = self._fan_out("choose", split)
         out.failed.update({c: "not a client of this transport" for c in unknown})
         return out
 

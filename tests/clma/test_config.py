@@ -194,6 +194,7 @@ def test_fingerprint_is_sha256_of_canonical_json_and_changes_with_values():
     del data["cohort"]["leading_split_alpha"], data["cohort"]["leading_split_min_size"]
     del data["cohort"]["leading_split_family_ratio"], data["cohort"]["cosine_refinement"]
     del data["cohort"]["one_component"], data["cohort"]["refit_without_outliers"]
+    del data["cohort"]["client_choice"]
     del data["training"]["server_learning_rate"], data["training"]["server_learning_rate_scope"]
     del data["model"]["factory"], data["data"]["source"]
     del data["model"]["weights"], data["data"]["probe"]
@@ -251,6 +252,7 @@ def _method_fields(cfg: FederationConfig) -> dict:
             "cohort.cosine_refinement": cfg.cohort.cosine_refinement,
             "cohort.one_component": cfg.cohort.one_component,
             "cohort.refit_without_outliers": cfg.cohort.refit_without_outliers,
+            "cohort.client_choice": cfg.cohort.client_choice,
             "training.server_learning_rate": cfg.training.server_learning_rate,
             "training.server_learning_rate_scope": cfg.training.server_learning_rate_scope}
 
@@ -261,7 +263,7 @@ def test_the_shipped_default_runs_the_improved_method():
     expected = {"cohort.components": "broken_stick", "cohort.direction_rule": "none",
                 "cohort.leading_split_alpha": 0.01, "cohort.leading_split_family_ratio": 0.7,
                 "cohort.cosine_refinement": True, "cohort.one_component": "two_means",
-                "cohort.refit_without_outliers": True,
+                "cohort.refit_without_outliers": True, "cohort.client_choice": True,
                 "training.server_learning_rate": 1.5,
                 "training.server_learning_rate_scope": "drift_cohorts"}
     assert COHORT_METHODS["improved"] == expected
@@ -280,7 +282,7 @@ def test_the_paper_method_is_one_field_and_explicit_fields_win():
     paper = {"cohort.components": "variance", "cohort.direction_rule": "auto",
              "cohort.leading_split_alpha": None, "cohort.leading_split_family_ratio": None,
              "cohort.cosine_refinement": False, "cohort.one_component": "clusterer",
-             "cohort.refit_without_outliers": False,
+             "cohort.refit_without_outliers": False, "cohort.client_choice": False,
              "training.server_learning_rate": 1.0,
              "training.server_learning_rate_scope": "all"}
     assert COHORT_METHODS["paper"] == paper

@@ -342,20 +342,21 @@ def test_every_field_added_since_the_first_release_is_registered_with_its_legacy
                           "training.server_learning_rate_scope", "model.factory",
                           "data.source", "model.weights", "data.probe", "cohort.method",
                           "cohort.leading_split_family_ratio", "cohort.cosine_refinement",
-                          "cohort.one_component", "cohort.refit_without_outliers"]
+                          "cohort.one_component", "cohort.refit_without_outliers",
+                          "cohort.client_choice"]
     # decided (issue 46): the default cohorting method changed from the paper's to the
     # improved one, so a config at the defaults no longer resumes a federation from before
     # (refused, naming the fields); with cohort.method = "paper" it does (the paper
     # method's values are the legacy ones)
     changed = {"cohort.method", "cohort.leading_split_alpha",
                "cohort.leading_split_family_ratio", "cohort.cosine_refinement",
-               "cohort.one_component", "cohort.refit_without_outliers",
+               "cohort.one_component", "cohort.refit_without_outliers", "cohort.client_choice",
                "training.server_learning_rate", "training.server_learning_rate_scope"}
     paper = load_config(DEFAULT).model_dump(mode="json")
     paper["cohort"]["method"] = "paper"
     for key in ("components", "direction_rule", "leading_split_alpha",
                 "leading_split_family_ratio", "cosine_refinement", "one_component",
-                "refit_without_outliers"):
+                "refit_without_outliers", "client_choice"):
         del paper["cohort"][key]
     del paper["training"]["server_learning_rate"], paper["training"]["server_learning_rate_scope"]
     dumps = {"default": cfg.model_dump(mode="json"),

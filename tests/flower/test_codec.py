@@ -268,3 +268,47 @@ def test_the_train_request_carries_the_drift_detector_spec(run_id):
     content[codec.RECORD]["drift-detector"] = '{"kind": "cusum", "params": {"h": -1.0}}'
     with pytest.raises(CodecError, match=r"clma\.drift-detector: drift\.cusum\.h"):
         codec.decode_train_request(content)
+
+
+# ------------------------------------------------------------------ choose
+def _choice_request():
+    from clma.engine.clients import ChoiceRequest
+
+    return ChoiceRequest(5, {3: (8, 7), 4: (7, 8)}, {7: MODEL, 8: MODEL * 3})
+
+
+def test_the_choice_request_and_reply_round_trip_exactly(run_id):
+    content = codec.encode_choice_request(_choice_request(), 3)
+    got = codec.decode_choice_request(content)
+    assert (got.round, got.client_id, got.candidates) == (5, 3, (8, 7))
+    np.testing.assert_array_equal(got.models[8], MODEL * 3)
+    np.testing.assert_array_equal(got.models[7], MODEL)
+    reply = codec.encode_choice_reply(5, 3, 7)
+    assert codec.decode_choice_reply(reply, round_number=5, client_id=3, candidates=(8, 7)) == 7
+    assert codec.MESSAGE_TYPES["choose"] == "query.clma_choose"
+
+
+@pytest.mark.parametrize(("patch", "match"), [
+    (lambda c: c["clma"].__setitem__("candidates", [8, 8]), "must not repeat a cohort"),
+    (lambda c: c["clma"].__setitem__("candidates", []), "list of 1 to 64 cohort ids"),
+    (lambda c: c["clma"].__setitem__("candidates", [8, -1]), "clma.candidates"),
+    (lambda c: c["arrays"].__delitem__("model-7"), "one array model-<id> per candidate"),
+    (lambda c: c["arrays"].__setitem__("model-7", Array(MODEL[:5].copy())),
+     "the same length"),
+    (lambda c: c["arrays"].__setitem__("model-7", Array(np.full(11, np.nan, np.float32))),
+     "must be finite"),
+])
+def test_a_malformed_choice_request_is_refused_on_the_device(run_id, patch, match):
+    content = codec.encode_choice_request(_choice_request(), 3)
+    patch(content)
+    with pytest.raises(CodecError, match=match):
+        codec.decode_choice_request(content)
+
+
+def test_a_choice_reply_outside_the_candidates_is_refused(run_id):
+    with pytest.raises(CodecError, match="clma.cohort-id: not one of the candidate cohorts"):
+        codec.decode_choice_reply(codec.encode_choice_reply(5, 3, 9), round_number=5,
+                                  client_id=3, candidates=(8, 7))
+    with pytest.raises(CodecError, match="clma.client-id"):
+        codec.decode_choice_reply(codec.encode_choice_reply(5, 4, 7), round_number=5,
+                                  client_id=3, candidates=(8, 7))

@@ -98,9 +98,13 @@ def test_rounds_over_flower_equal_the_simulation_with_one_exchange_per_call(
     _same_as(reference, eng, results)
     evals = sum(1 for r in results if r.regional is not None)
     assert evals == 3  # evaluation.every = 1
-    # roster once, one call per round for training, four for the secure aggregation
-    assert grid.calls == 1 + cfg.rounds + 4 * evals
+    # roster once, one call per round for training, four for the secure aggregation, and
+    # the choice after round 3's split (cohort.client_choice, as shipped): its clients only
+    split = [r for r in results if len(r.new_cohorts) >= 2]
+    assert [r.round for r in split] == [3]
     kinds = [k for k, _ in grid.sent]
+    assert kinds.count("query.clma_choose") == results[2].quarantined == 4
+    assert grid.calls == 1 + cfg.rounds + 4 * evals + 1
     assert kinds.count("query.clma_roster") == cfg.clients
     assert kinds.count("evaluate.clma_masked") == cfg.clients * evals  # every session batched
     assert eng.roster.region_of() == fed.region_of()

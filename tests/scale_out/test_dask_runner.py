@@ -126,6 +126,22 @@ def test_a_client_unknown_to_the_cluster_is_a_failure(dask_clients, world):
     assert out.failed == {99: "not a client of this transport"}
 
 
+def test_choices_over_dask_equal_the_in_process_ones(dask_clients, world):
+    from clma.engine import ChoiceRequest
+
+    _, sim, local = world
+    ids = sim.client_ids
+    rng = np.random.default_rng(0)
+    models = {k: (sim.initial_model + rng.normal(0, 0.5, sim.initial_model.shape)
+                  ).astype(np.float32) for k in (1, 2, 3)}
+    req = ChoiceRequest(1, {c: (1 + c % 3, 1 + (c + 1) % 3, 1 + (c + 2) % 3) for c in ids}
+                        | {99: (1, 2)}, models)
+    got, want = dask_clients.choose(req), local.choose(req)
+    assert got.failed == want.failed == {99: "not a client of this transport"}
+    assert got.ok == want.ok and sorted(got.ok) == ids
+    assert any(got.ok[c] != req.candidates[c][0] for c in ids)  # a real choice (seed 0)
+
+
 def test_secure_sums_over_dask_equal_the_in_process_ones(dask_clients, world):
     from clma.engine import FederationEngine
 

@@ -1,0 +1,105 @@
+"""Which on-device rule should a client of a split use to choose among the new cohorts?
+The ARI each rule would give at each drift event of CLMA (improved) with the choice off
+(the split as the server made it), every quarantined client choosing by:
+
+* ``split``: the split's cohort (no choice);
+* ``eval`` / ``train`` / ``pooled``: the lowest mean cross-entropy of its evaluation, its
+  training, or all its records (IFCA's rule; ``pooled`` is what
+  :func:`clma.device.choose_cohort` does with a learner that has ``predict_training``);
+* ``ttest_pooled`` / ``ttest_train`` / ``wilcoxon_pooled``: the best other cohort only if
+  its per-record losses are lower than the split's cohort's, one-sided paired t-test or
+  Wilcoxon at 0.05; else the split's.
+
+    OMP_NUM_THREADS=1 python docs/figures/choice_rules.py label2-a05 10 11 12 13 14 15 16 17 19
+    OMP_NUM_THREADS=1 python docs/figures/choice_rules.py label2-a03 10 11 12 13 14 15 16 17 19
+
+One line per seed: ``{round: {rule: ARI}}`` (docs/realistic_drift.md section 8).
+"""
+import sys
+
+import numpy as np
+from scipy import stats
+
+from clma.config import validate_config
+from clma.engine import FederationEngine
+from clma.sim.clients import SimLearner, SimulatedClients
+from clma.sim.federation import build_federation
+from clma.sim.training import predict_proba
+from clma.sim.truth import drift_event_ari
+from flows.experiments.realistic_drift import method_config, scenario_config
+
+RULES = ("split", "eval", "train", "pooled", "ttest_pooled", "ttest_train", "wilcoxon_pooled")
+
+
+def rec_losses(fed, model, x, y):
+    p = predict_proba(fed.spec, model, x)[np.arange(len(y)), y]
+    return -np.log(np.clip(p, 1e-12, None))
+
+
+def pick(rule, split_k, per):  # per: k -> (train_losses, eval_losses)
+    if rule == "split":
+        return split_k
+    if rule in ("eval", "train", "pooled"):
+        f = {"eval": lambda t, e: e, "train": lambda t, e: t,
+             "pooled": lambda t, e: np.concatenate([t, e])}[rule]
+        return min(per, key=lambda k: (f(*per[k]).mean(), k != split_k))
+    src = (lambda t, e: np.concatenate([t, e])) if rule.endswith("pooled") else (lambda t, e: t)
+    best = min(per, key=lambda k: src(*per[k]).mean())
+    if best == split_k:
+        return split_k
+    d = src(*per[best]) - src(*per[split_k])
+    if len(d) < 2 or np.all(d == 0):
+        return split_k
+    if rule.startswith("ttest"):
+        p = stats.ttest_rel(src(*per[best]), src(*per[split_k]), alternative="less").pvalue
+    else:
+        p = stats.wilcoxon(d, alternative="less").pvalue
+    return best if p < 0.05 else split_k
+
+
+def run(scenario, seed):
+    cfg = method_config(scenario_config(scenario), "clma_improved", seed)
+    data = cfg.model_dump()
+    data["cohort"]["client_choice"] = False
+    cfg = validate_config(data)
+    fed = build_federation(cfg)
+    eng = FederationEngine(cfg, fed.assets(), SimulatedClients(fed))
+    cohort_step = eng.cohort
+    out = {}
+
+    def with_choice(ctx):
+        res = cohort_step(ctx)
+        families = fed.drifted_at(ctx.round)
+        if families and res.new_cohorts:
+            reg = eng.state.registry
+            base = {c: reg.cohort_of(c) for c in fed.client_ids}
+            kids = sorted(res.new_cohorts)
+            choice = {r: dict(base) for r in RULES}
+            detail = []
+            for c in ctx.quarantined:
+                tx, ty, ex, ey = SimLearner(fed, fed.clients[c]).data(ctx.round)
+                per = {k: (rec_losses(fed, ctx.models[k], tx, ty),
+                           rec_losses(fed, ctx.models[k], ex, ey)) for k in kids}
+                for r in RULES:
+                    choice[r][c] = pick(r, base[c], per)
+                detail.append((c, len(ty), len(ey), base[c],
+                               {k: round(float(np.concatenate(v).mean()), 3) for k, v in per.items()}))
+            out[ctx.round] = {r: round(drift_event_ari(families, choice[r]), 2) for r in RULES}
+        return res
+
+    eng.cohort = with_choice
+    for r in range(1, cfg.rounds + 1):
+        ctx = eng.begin_round(r)
+        eng.accept(ctx, [eng.train(ctx)])
+        eng.after_training(ctx)
+        eng.finish(ctx)
+    return out
+
+
+if __name__ == "__main__":
+    scenario = sys.argv[1]
+    for s in sys.argv[2:]:
+        try:
+            print(scenario, s, run(scenario, int(s)), flush=True)
+        except ValueError as e:
+            print(scenario, s, "not built", e, flush=True)

@@ -1,0 +1,241 @@
+"""``cohort.client_choice``: after a drift round's split the split's clients choose among the
+new cohorts on their own evaluation data (clma.device.choose_cohort, IFCA's rule applied
+once); the engine moves a client that chose another candidate, keeps the split for a
+client that fails or answers something else, and retires a new cohort the moves empty.
+The loss is checked against scikit-learn's log loss; the engine's moves against the
+choice each device's data gives."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from sklearn.metrics import log_loss
+
+from clma.config import validate_config
+from clma.device import choose_cohort
+from clma.engine.clients import ChoiceRequest, Replies, check_choice
+
+from .test_round import DRIFT, FLAGS
+
+
+class _Fixed:
+    """A learner whose predictions depend on the model's first coordinate only."""
+
+    def __init__(self, table, labels):
+        self.table, self.labels = table, np.asarray(labels)
+
+    def predict(self, params, round_number):
+        return np.asarray(self.table[int(params[0])], dtype=float), self.labels
+
+
+def _models(*ks):
+    return {k: np.full(3, k, dtype=np.float32) for k in ks}
+
+
+def test_the_device_picks_the_lowest_log_loss():
+    rng = np.random.default_rng(0)
+    labels = rng.integers(0, 3, size=40)
+    table = {k: rng.dirichlet(np.ones(3), size=40) for k in (4, 5, 6)}
+    want = min((4, 5, 6), key=lambda k: log_loss(labels, table[k], labels=[0, 1, 2]))
+    losses = sorted(log_loss(labels, table[k], labels=[0, 1, 2]) for k in (4, 5, 6))
+    assert losses[1] - losses[0] > 1e-3  # a real choice, not a tie
+    got = choose_cohort((5, 4, 6), _models(4, 5, 6), _Fixed(table, labels), 3)
+    assert got == want
+
+
+class _Both(_Fixed):
+    """A learner with training records too (``predict_training``)."""
+
+    def __init__(self, table, labels, train_table, train_labels):
+        super().__init__(table, labels)
+        self.train = _Fixed(train_table, train_labels)
+
+    def predict_training(self, params, round_number):
+        return self.train.predict(params, round_number)
+
+
+def test_with_training_records_the_device_pools_all_its_records():
+    # evaluation records alone prefer cohort 4, all records together cohort 5: the choice
+    # is the pooled log loss (scikit-learn's, on the concatenated records)
+    rng = np.random.default_rng(1)
+    ey, ty = rng.integers(0, 2, size=4), rng.integers(0, 2, size=30)
+    good_e = np.where(ey[:, None] == [0, 1], 0.8, 0.2)
+    bad_e = np.where(ey[:, None] == [0, 1], 0.6, 0.4)
+    good_t = np.where(ty[:, None] == [0, 1], 0.7, 0.3)
+    bad_t = np.where(ty[:, None] == [0, 1], 0.45, 0.55)
+    learner = _Both({4: good_e, 5: bad_e}, ey, {4: bad_t, 5: good_t}, ty)
+    pooled = {k: log_loss(np.concatenate([ty, ey]),
+                          np.concatenate([learner.train.table[k], learner.table[k]]),
+                          labels=[0, 1]) for k in (4, 5)}
+    assert pooled[5] < pooled[4]
+    assert choose_cohort((4, 5), _models(4, 5), _Fixed(learner.table, ey), 2) == 4
+    assert choose_cohort((4, 5), _models(4, 5), learner, 2) == 5
+
+
+def test_a_tie_keeps_the_splits_cohort_and_zero_probabilities_are_finite():
+    labels = [0, 1]
+    same = np.array([[0.7, 0.3], [0.4, 0.6]])
+    assert choose_cohort((2, 1), _models(1, 2), _Fixed({1: same, 2: same}, labels), 1) == 2
+    zero = np.array([[0.0, 1.0], [1.0, 0.0]])  # every label given probability 0
+    assert choose_cohort((1, 2), _models(1, 2), _Fixed({1: zero, 2: same}, labels), 1) == 2
+
+
+@pytest.mark.parametrize(("labels", "proba", "rule"), [
+    ([], np.zeros((0, 2)), "no local records"),
+    ([0, 1], np.ones((3, 2)) / 2, "learner.predict: probabilities must be (n, n_classes)"),
+])
+def test_a_device_without_usable_evaluation_data_refuses(labels, proba, rule):
+    with pytest.raises(ValueError, match=rule.replace("(", r"\(").replace(")", r"\)")):
+        choose_cohort((1, 2), _models(1, 2), _Fixed({1: proba, 2: proba}, labels), 1)
+    with pytest.raises(ValueError, match="candidates"):
+        choose_cohort((), _models(1), _Fixed({1: proba}, labels), 1)
+
+
+def test_a_choice_reply_is_an_integer_among_the_candidates():
+    req = ChoiceRequest(2, {7: (3, 4)}, _models(3, 4))
+    assert check_choice(4, req, 7) is None and check_choice(np.int64(3), req, 7) is None
+    assert check_choice(5, req, 7) == "choice: not one of the candidate cohorts"
+    assert check_choice(True, req, 7) == "choice: must be an integer cohort id"
+    assert check_choice("4", req, 7) == "choice: must be an integer cohort id"
+    assert check_choice(4, req, 8) == "reply from a client the request did not ask"
+    part = req.for_clients([7])
+    assert part.candidates == {7: (3, 4)} and sorted(part.models) == [3, 4]
+
+
+# ------------------------------------------------------------------------- the engine
+
+
+@pytest.fixture
+def config(tiny_config):
+    """12 clients, two opposite drift families at round 2 flagged by their devices."""
+    def make(**cohort):
+        return tiny_config(clients=12, rounds=2, drift=DRIFT, training={"local_epochs": 1},
+                           model={"hidden": [32]}, evaluation={"min_cohort": 2},
+                           cohort=cohort)
+    return make
+
+
+def _scripted(base, answers=None):
+    """The simulated clients, with ``choose`` answered by ``answers(request)`` (None: the
+    devices' own choice) and every request recorded."""
+
+    class Scripted(base):
+        asked: list[ChoiceRequest] = []
+
+        def choose(self, request):
+            self.asked.append(request)
+            return super().choose(request) if answers is None else answers(request)
+
+    return Scripted
+
+
+def _split_round(make_engine, scripted_clients, cfg, answers=None):
+    from tests.clma.engine.conftest import _federation
+
+    sim = _federation(cfg)
+    clients = _scripted(scripted_clients, answers)(sim, flags=FLAGS)
+    eng = make_engine(cfg, clients)
+    eng.run_round(1)
+    res = eng.run_round(2)
+    return eng, clients, res
+
+
+def test_the_shipped_default_asks_and_each_client_ends_where_its_data_chose(
+        config, make_engine, scripted_clients):
+    cfg = config()
+    assert cfg.cohort.client_choice is True  # as shipped, with the improved method
+    eng, clients, res = _split_round(make_engine, scripted_clients, cfg)
+    (req,) = clients.asked
+    kids = sorted({k for v in req.candidates.values() for k in v})
+    assert len(kids) == 2 and sorted(req.candidates) == list(range(6))
+    reg = eng.state.registry
+    chose_other = set()
+    for c, cands in req.candidates.items():
+        # each candidate list starts with the split's cohort, then the other one
+        assert sorted(cands) == kids
+        learner = clients.learners[c]
+
+        def pooled(k, learner=learner):  # every local record: training, then evaluation
+            (tp, ty), (ep, ey) = (learner.predict_training(req.models[k], 2),
+                                  learner.predict(req.models[k], 2))
+            return log_loss(np.concatenate([ty, ey]), np.concatenate([tp, ep]).astype(float),
+                            labels=range(tp.shape[1]))
+
+        want = min(cands, key=lambda k: (pooled(k), cands.index(k)))
+        assert reg.cohort_of(c) == want
+        if want != cands[0]:
+            chose_other.add(c)
+    moves = [e for e in reg.lineage if e.kind == "move"]
+    assert all(e.reason == "client choice" and e.round == 2 for e in moves)
+    assert {e.clients[0] for e in moves} == chose_other
+    assert sum(v["size"] for v in res.new_cohorts.values()) == 6
+
+
+def res_moved(eng, res):
+    reg = eng.state.registry
+    return [e.clients[0] for e in reg.lineage if e.kind == "move" and e.round == res.round]
+
+
+def test_moves_failures_and_malformed_answers(config, make_engine, scripted_clients):
+    def answers(req):
+        out = Replies()
+        for c, cands in req.candidates.items():
+            if c == 0:
+                out.ok[c] = cands[1]  # chooses the other cohort: moved
+            elif c == 1:
+                out.failed[c] = "device error: ValueError"  # keeps the split's
+            elif c == 2:
+                out.ok[c] = True  # malformed: keeps the split's
+            elif c == 3:
+                out.ok[c] = max(cands) + 10  # not a candidate: keeps the split's
+            else:
+                out.ok[c] = cands[0]
+        return out
+
+    first, _, _ = _split_round(make_engine, scripted_clients, config(client_choice=False))
+    split = {c: first.state.registry.cohort_of(c) for c in range(6)}
+    eng, clients, res = _split_round(make_engine, scripted_clients, config(), answers)
+    reg = eng.state.registry
+    (req,) = clients.asked
+    assert {c: req.candidates[c][0] for c in range(6)} == split  # the same split
+    assert reg.cohort_of(0) == req.candidates[0][1] != split[0]
+    assert all(reg.cohort_of(c) == split[c] for c in range(1, 6))
+    (move,) = [e for e in reg.lineage if e.kind == "move"]
+    assert move.clients == [0] and move.parents == [split[0]] and move.reason == "client choice"
+    sizes = {k: len(reg.members(k)) for k in set(split.values())}
+    assert {k: v["size"] for k, v in res.new_cohorts.items()} == sizes
+    assert res.cohorts == {k: len(reg.members(k)) for k in reg.active_cohorts()}
+
+
+def test_a_new_cohort_emptied_by_the_choice_is_retired(config, make_engine, scripted_clients):
+    def everyone_to_the_larger(req):
+        kid = max(sorted({k for v in req.candidates.values() for k in v}))
+        return Replies(ok={c: kid for c in req.candidates})
+
+    eng, _, res = _split_round(make_engine, scripted_clients, config(), everyone_to_the_larger)
+    reg = eng.state.registry
+    (gone,) = [k for k, r in reg.cohorts.items() if r.status == "retired"]
+    (kept,) = res.new_cohorts
+    assert kept != gone and sorted(reg.members(kept)) == list(range(6))
+    assert gone not in res.cohorts and gone not in eng.state.cohort_models
+    (retire,) = [e for e in reg.lineage if e.kind == "retire"]
+    assert retire.parents == [gone] and retire.reason == "emptied by a move"
+
+
+def test_off_in_the_paper_method_and_without_the_call(config, make_engine, scripted_clients):
+    paper = validate_config({**config().model_dump(), "cohort": {
+        **config().model_dump()["cohort"], "method": "paper", "client_choice": False}})
+    eng, clients, res = _split_round(make_engine, scripted_clients, paper)
+    assert clients.asked == [] and not res_moved(eng, res)
+    assert validate_config({"cohort": {"method": "paper"}}).cohort.client_choice is False
+
+    class NoChoice(scripted_clients):
+        choose = None  # a transport without the call: the split stands
+
+    from tests.clma.engine.conftest import _federation
+
+    cfg = config()
+    eng = make_engine(cfg, NoChoice(_federation(cfg), flags=FLAGS))
+    eng.run_round(1)
+    res = eng.run_round(2)
+    assert len(res.new_cohorts) == 2 and not res_moved(eng, res)
