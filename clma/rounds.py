@@ -86,6 +86,9 @@ class CohortingOutcome:
     diagnostics: dict[int, dict[str, Any]] = field(default_factory=dict)
     #: client id -> the cohort it chose over the split's (``cohort.client_choice``)
     moved: dict[int, int] = field(default_factory=dict)
+    #: new cohorts of this round that the clients' choice emptied (retired this round; their
+    #: first models were released, so the DP commit stores them with the others)
+    retired: list[int] = field(default_factory=list)
 
 
 def select_clients(

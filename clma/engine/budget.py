@@ -51,7 +51,7 @@ import base64
 import json
 import math
 import tempfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -760,14 +760,14 @@ def dp_aggregate(
 
 
 def dp_commit(training: dict[str, Any], models: Mapping[int, np.ndarray],
-              new_cohorts: Mapping[int, Any]) -> dict[int, np.ndarray]:
+              new_cohorts: Iterable[int]) -> dict[int, np.ndarray]:
     """Commit the round's training charge with every model it released (phase 2).
 
     Args:
         training: the info dict of :func:`dp_aggregate` (no reservation: nothing to commit).
         models: cohort id -> model after cohorting (float32 vectors).
-        new_cohorts: the cohorts created this round (their models came from
-            :func:`dp_new_cohort_model`).
+        new_cohorts: ids of the cohorts created this round, those the clients' choice
+            retired again included (their models came from :func:`dp_new_cohort_model`).
 
     Returns ``models`` with the stored payload applied: if another attempt committed the
     same key first, its models are the ones to publish.

@@ -425,7 +425,8 @@ class FederationEngine:
         chosen cohort from the next round. A client that fails, or answers something other
         than one of its candidates, keeps the split's cohort; so does every client of a
         transport without ``choose``. Afterwards ``ctx.cohorting.new_cohorts`` holds the
-        members of the still-active new cohorts. Returns client id -> the cohort it moved
+        members of the still-active new cohorts and ``ctx.cohorting.retired`` the emptied
+        ones (their released models are committed with the others). Returns client id -> the cohort it moved
         to (also ``ctx.cohorting.moved``)."""
         out = ctx.cohorting
         by_parent: dict[int, list[int]] = {}
@@ -456,6 +457,7 @@ class FederationEngine:
                 reg.move(c, k, ctx.round, reason="client choice")
                 out.moved[c] = k
         active = set(reg.active_cohorts())
+        out.retired = sorted(k for k in out.new_cohorts if k not in active)
         out.new_cohorts = {k: reg.members(k) for k in out.new_cohorts if k in active}
         out.parents = {k: p for k, p in out.parents.items() if k in active}
         return dict(out.moved)
@@ -492,7 +494,10 @@ class FederationEngine:
         """Merge cohorts whose models reconverged (off unless ``merge_cohorts_threshold``);
         displacements from the merge reference (the pre-drift consensus model)."""
         if ctx.training is not None:  # commit the DP charge with every released model
-            ctx.models = dp_commit(ctx.training, ctx.models, ctx.cohorting.new_cohorts)
+            # every model the round released, a new cohort the choice retired included (a
+            # re-run republishes it instead of drawing fresh noise on the same updates)
+            ctx.models = dp_commit(ctx.training, ctx.models,
+                                   [*ctx.cohorting.new_cohorts, *ctx.cohorting.retired])
         reg = self.state.registry
         sizes = {c: len(reg.members(c)) for c in reg.active_cohorts()}
         ref = (self.state.merge_reference if self.state.merge_reference is not None

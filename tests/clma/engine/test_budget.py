@@ -295,12 +295,18 @@ def test_crash_before_commit_redraws_but_after_commit_republishes_new_cohorts(
     assert len(budget.ledger.entries()) == 1
 
 
+@pytest.mark.parametrize("choice", ["on_their_data", "all_to_the_first"])
 def test_engine_rerun_of_a_dp_round_republishes_every_model_bitwise(small_config, make_engine,
-                                                                    mechanism_draws):
-    """The engine's DP-FedAvg round (aggregate -> cohort -> merge commits the charge with
-    every model, the new cohorts' included), OpenDP noise: run again from the state
-    before it (a crash after the ledger commit), it trains again but republishes the
-    committed models bitwise, draws no noise and charges nothing more."""
+                                                                    mechanism_draws, choice):
+    """The engine's DP-FedAvg round (aggregate -> cohort -> choose -> merge commits the
+    charge with every model, the new cohorts' included), OpenDP noise: run again from the
+    state before it (a crash after the ledger commit), it trains again but republishes the
+    committed models bitwise, draws no noise and charges nothing more. Also when the
+    clients' choice empties a new cohort ("all_to_the_first": every client of the split
+    answers the lowest candidate id, so the other new cohort is retired in the round that
+    released its model): that model is committed too, and the re-run draws no fresh noise
+    for it."""
+    from clma.engine.clients import Replies
     from clma.sim.clients import SimulatedClients
 
     class Flagging(SimulatedClients):
@@ -313,16 +319,29 @@ def test_engine_rerun_of_a_dp_round_republishes_every_model_bitwise(small_config
                     out.ok[c] = ClientUpdate(u.client_id, u.cohort_id, u.params, u.n_samples, True)
             return out
 
+        def choose(self, request):
+            if choice == "on_their_data":
+                return super().choose(request)
+            return Replies({c: min(k) for c, k in request.candidates.items()})
+
     cfg = small_config(epsilon_cap=1000.0, enabled=True, noise_seeded=False)
     cfg = _one_epoch_training_only(cfg)
+    assert cfg.cohort.client_choice  # as shipped
     engine = make_engine(cfg, budget=True)
     sim = engine.clients.federation
     engine = make_engine(cfg, Flagging(sim), budget=engine.budget)
     before = snapshot_files(engine.state)
     first = engine.run_round(1)
     assert first.quarantined == 6 and first.new_cohorts
+    made = [k for e in engine.state.registry.lineage if e.kind == "split" and e.round == 1
+            for k in e.children]
+    retired = [e.parents for e in engine.state.registry.lineage
+               if e.kind == "retire" and e.round == 1]
+    if choice == "all_to_the_first":
+        assert len(made) == 2 and retired == [[max(made)]]
+        assert list(first.new_cohorts) == [min(made)]
     n = len(mechanism_draws)
-    assert n == 1 + len(first.new_cohorts)  # the root cohort's noise and each new cohort's
+    assert n == 1 + len(made)  # the root cohort's noise and each new cohort's
     again = make_engine(cfg, Flagging(sim), budget=open_budget(cfg),
                         state=restore_files(before, 0))
     second = again.run_round(1)
