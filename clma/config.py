@@ -486,10 +486,12 @@ class CohortConfig(_Strict):
     client_choice: bool = Field(
         default=True,
         description="After a drift round splits a cohort's quarantined clients into two or "
-        "more new cohorts, each of those clients scores the new cohorts' models on its own "
-        "evaluation data and answers the id of the one with the lowest loss (IFCA's rule, "
+        "more new cohorts, each of those clients scores the new cohorts' models on all its "
+        "local records and answers the id of the one with the lowest loss (IFCA's rule, "
         "applied once; the loss never leaves the device); a client choosing another cohort "
-        "moves there for the next round. Mends clients whose update carries too little to "
+        "moves there for the next round. A client the split left alone chooses between "
+        "staying alone (scored with the model it drifted from) and every new cohort of two "
+        "or more clients of the round. Mends clients whose update carries too little to "
         "cluster (docs/realistic_drift.md section 8). False = the split stands "
         "(cohort.method = 'paper').",
     )

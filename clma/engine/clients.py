@@ -242,14 +242,17 @@ class ShareKeysRequest:
 
 @dataclass(frozen=True)
 class ChoiceRequest:
-    """After a drift round split a cohort's quarantined clients: each of them chooses
-    among the cohorts the split made (IFCA's rule, Ghosh et al. 2020, applied once).
+    """After a drift round split quarantined clients into new cohorts: each of them
+    chooses among the cohorts the round made (IFCA's rule, Ghosh et al. 2020, applied
+    once; which cohorts are candidates: :meth:`clma.engine.FederationEngine.choose`).
 
     Attributes:
         round: the round of the split.
         candidates: client id -> the cohort ids it chooses among (its own first: the
             cohort the split put it in, kept on ties).
-        models: cohort id -> float32 model vector ``(n_params,)`` of every candidate.
+        models: cohort id -> float32 model vector ``(n_params,)`` of every candidate; for
+            a cohort of one client, the model its source cohort started the round from
+            (the cohort's model without that client's update).
     """
 
     round: int

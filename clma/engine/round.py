@@ -416,35 +416,56 @@ class FederationEngine:
         return ctx.cohorting
 
     def choose(self, ctx: RoundContext) -> dict[int, int]:
-        """``cohort.client_choice``: the clients of every source cohort split into two or
-        more new cohorts choose among them on their own data (:class:`ChoiceRequest`,
+        """``cohort.client_choice``: the clients of the cohorts a drift round made choose
+        among them on their own data (:class:`ChoiceRequest`,
         :func:`clma.device.choose_cohort`); a client that answers another of its
         candidates is moved there (registry ``move``, reason "client choice"; a cohort the
-        moves empty is retired). The new cohorts' first models stay as the split made them
-        (released once: under DP-FedAvg they were charged); a moved client trains in its
-        chosen cohort from the next round. A client that fails, or answers something other
-        than one of its candidates, keeps the split's cohort; so does every client of a
-        transport without ``choose``. Afterwards ``ctx.cohorting.new_cohorts`` holds the
-        members of the still-active new cohorts and ``ctx.cohorting.retired`` the emptied
-        ones (their released models are committed with the others). Returns client id -> the cohort it moved
-        to (also ``ctx.cohorting.moved``)."""
+        moves empty is retired).
+
+        Candidates: a member of a new cohort of two or more clients chooses among the new
+        cohorts of two or more clients split from the same source cohort. The member of a
+        new cohort of one client (a client the split left alone, e.g. an outlier the refit
+        kept apart) chooses between staying alone and every new cohort of two or more
+        clients of the round, whatever its source: it is sent, as its own cohort's model,
+        the source cohort's start model -- its cohort's model without its own update (the
+        leave-one-out model), since the cohort's model, trained on its update alone, would
+        fit it best trivially -- so it stays alone only if no other new cohort fits its
+        data better than the model it drifted from. A cohort of one client is no
+        candidate for anyone else (its model is that client's update).
+
+        The new cohorts' first models stay as the split made them (released once: under
+        DP-FedAvg they were charged); a moved client trains in its chosen cohort from the
+        next round. A client that fails, or answers something other than one of its
+        candidates, keeps the split's cohort; so does every client of a transport without
+        ``choose``. Afterwards ``ctx.cohorting.new_cohorts`` holds the members of the
+        still-active new cohorts and ``ctx.cohorting.retired`` the emptied ones (their
+        released models are committed with the others). Returns client id -> the cohort
+        it moved to (also ``ctx.cohorting.moved``)."""
         out = ctx.cohorting
+        alone = sorted(k for k, m in out.new_cohorts.items() if len(m) == 1)
+        shared = sorted(k for k in out.new_cohorts if k not in alone)
         by_parent: dict[int, list[int]] = {}
-        for k in sorted(out.new_cohorts):
+        for k in shared:
             by_parent.setdefault(out.parents[k], []).append(k)
         candidates: dict[int, tuple[int, ...]] = {}
+        models: dict[int, np.ndarray] = {}
         for kids in by_parent.values():
             if len(kids) < 2:
                 continue
             for k in kids:
+                models[k] = ctx.models[k]
                 for c in out.new_cohorts[k]:
                     candidates[int(c)] = (k, *[j for j in kids if j != k])
+        if shared:
+            for k in alone:
+                (c,) = out.new_cohorts[k]
+                candidates[int(c)] = (k, *shared)
+                models[k] = ctx.start_models[out.parents[k]]  # leave-one-out: no update
+                models.update({j: ctx.models[j] for j in shared})
         ask = getattr(self.clients, "choose", None)
         if not candidates or ask is None:
             return {}
-        request = ChoiceRequest(ctx.round, candidates,
-                                {k: ctx.models[k] for kids in by_parent.values()
-                                 if len(kids) >= 2 for k in kids})
+        request = ChoiceRequest(ctx.round, candidates, models)
         replies = ask(request)
         reg = self.state.registry
         for c in sorted(candidates):

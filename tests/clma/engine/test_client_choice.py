@@ -239,3 +239,94 @@ def test_off_in_the_paper_method_and_without_the_call(config, make_engine, scrip
     eng.run_round(1)
     res = eng.run_round(2)
     assert len(res.new_cohorts) == 2 and not res_moved(eng, res)
+
+
+# ------------------------------------------------------------- a new cohort of one client
+
+
+class _OneAlone:
+    """The shipped cohorter, with client ``alone`` taken out of its part into a part of its
+    own (what the outlier refit does to a client it cannot place)."""
+
+    def __init__(self, inner, alone):
+        self.inner, self.alone = inner, alone
+
+    def cohort(self, client_ids, matrix, reference):
+        out = self.inner.cohort(client_ids, matrix, reference)
+        if self.alone in out.assignments:
+            out.assignments[self.alone] = max(out.assignments.values()) + 1
+        return out
+
+
+def test_a_client_left_alone_chooses_with_its_leave_one_out_model_and_joins_its_family(
+        config, make_engine, scripted_clients):
+    """Client 4 (family "plus") split off alone: it is asked to choose between staying
+    alone and the two families' cohorts, its own cohort scored with the model the root
+    cohort started round 2 from (its cohort's model trained on its update alone would fit
+    it trivially); its data choose the "plus" cohort; the cohort of one is retired. No
+    other client is offered the cohort of one."""
+    from tests.clma.engine.conftest import _federation
+
+    cfg = config()
+    clients = _scripted(scripted_clients)(_federation(cfg), flags=FLAGS)
+    eng = make_engine(cfg, clients)
+    eng.run_round(1)
+    start = eng.state.cohort_models[0].copy()  # what every client starts round 2 from
+    eng.cohorter = _OneAlone(eng.cohorter, 4)
+    res = eng.run_round(2)
+    (req,) = clients.asked
+    reg = eng.state.registry
+    made = [k for e in reg.lineage if e.kind == "split" for k in e.children]
+    alone = made[-1]
+    shared = sorted(k for k in made if k != alone)
+    assert len(shared) == 2 and req.candidates[4] == (alone, *shared)
+    assert req.models[alone].tobytes() == start.tobytes()
+    assert all(alone not in req.candidates[c] for c in (0, 1, 2, 3, 5))
+    assert reg.cohort_of(4) == reg.cohort_of(0) == reg.cohort_of(2)  # the "plus" family
+    assert reg.cohorts[alone].status == "retired" and alone not in res.new_cohorts
+    assert sorted(reg.members(reg.cohort_of(0))) == [0, 2, 4]
+
+
+def test_a_client_left_alone_stays_alone_when_it_chooses_so_across_source_cohorts(
+        config, make_engine, scripted_clients):
+    """The engine's candidates when the cohort of one comes from another source cohort
+    than the two shared ones (two drifting source cohorts in one round): its member
+    chooses among every shared new cohort of the round and staying alone (its source's
+    start model); the shared cohorts' members choose between their two; nobody is offered
+    the cohort of one. Staying alone keeps it; another answer moves it across sources."""
+    from types import SimpleNamespace
+
+    from clma.rounds import CohortingOutcome
+
+    for answer in ("stay", "join"):
+        cfg = config()
+        asked = []
+
+        def answers(req, answer=answer, asked=asked):
+            asked.append(req)
+            return Replies(ok={c: (k[1] if (c == 5 and answer == "join") else k[0])
+                               for c, k in req.candidates.items()})
+
+        from tests.clma.engine.conftest import _federation
+
+        clients = _scripted(scripted_clients, answers)(_federation(cfg), flags=FLAGS)
+        eng = make_engine(cfg, clients)
+        reg = eng.state.registry
+        new = reg.split(0, {0: [0, 2], 1: [1, 3], 2: [5]}, 2, reason="drift")
+        a, b, s = new[0], new[1], new[2]
+        m = {k: np.full(4, float(k), dtype=np.float32) for k in (0, a, b, s)}
+        other_source = np.full(4, -7.0, dtype=np.float32)
+        ctx = SimpleNamespace(round=2, models=dict(m), start_models={0: m[0], 99: other_source},
+                              cohorting=CohortingOutcome(
+                                  new_cohorts={a: [0, 2], b: [1, 3], s: [5]},
+                                  parents={a: 0, b: 0, s: 99}))
+        moved = eng.choose(ctx)
+        (req,) = asked
+        assert req.candidates == {0: (a, b), 2: (a, b), 1: (b, a), 3: (b, a), 5: (s, a, b)}
+        assert req.models[s].tobytes() == other_source.tobytes()
+        assert req.models[a].tobytes() == m[a].tobytes()
+        if answer == "stay":
+            assert moved == {} and reg.members(s) == [5] and s in ctx.cohorting.new_cohorts
+        else:
+            assert moved == {5: a} and sorted(reg.members(a)) == [0, 2, 5]
+            assert ctx.cohorting.retired == [s] and s not in ctx.cohorting.new_cohorts
