@@ -1,6 +1,7 @@
 """Which on-device rule should a client of a split use to choose among the new cohorts?
 The ARI each rule would give at each drift event of CLMA (improved) with the choice off
-(the split as the server made it), every quarantined client choosing by:
+(the split as the server made it), every quarantined client choosing among the new
+cohorts of the round (of any source cohort) by:
 
 * ``split``: the split's cohort (no choice);
 * ``eval`` / ``train`` / ``pooled``: the lowest mean cross-entropy of its evaluation, its
@@ -8,10 +9,18 @@ The ARI each rule would give at each drift event of CLMA (improved) with the cho
   :func:`clma.device.choose_cohort` does with a learner that has ``predict_training``);
 * ``ttest_pooled`` / ``ttest_train`` / ``wilcoxon_pooled``: the best other cohort only if
   its per-record losses are lower than the split's cohort's, one-sided paired t-test or
-  Wilcoxon at 0.05; else the split's.
+  Wilcoxon at 0.05; else the split's;
+* ``alone``: ``pooled`` among the new cohorts of two or more clients of the same source;
+  a client the split left alone chooses between staying alone, scored with its source
+  cohort's start model (its cohort's model without its own update), and every new cohort
+  of two or more clients of the round (what :meth:`clma.engine.FederationEngine.choose`
+  does since 227d240).
 
     OMP_NUM_THREADS=1 python docs/figures/choice_rules.py label2-a05 10 11 12 13 14 15 16 17 19
     OMP_NUM_THREADS=1 python docs/figures/choice_rules.py label2-a03 10 11 12 13 14 15 16 17 19
+    OMP_NUM_THREADS=1 python docs/figures/choice_rules.py cov-blurrot-iid 0 1 2 3 4
+
+Covariate scenarios run with ``drift.detector = "input_ks"`` (as the README runs them).
 
 One line per seed: ``{round: {rule: ARI}}`` (docs/realistic_drift.md section 8).
 """
@@ -26,9 +35,10 @@ from clma.sim.clients import SimLearner, SimulatedClients
 from clma.sim.federation import build_federation
 from clma.sim.training import predict_proba
 from clma.sim.truth import drift_event_ari
-from flows.experiments.realistic_drift import method_config, scenario_config
+from flows.experiments.realistic_drift import is_covariate, method_config, scenario_config
 
-RULES = ("split", "eval", "train", "pooled", "ttest_pooled", "ttest_train", "wilcoxon_pooled")
+RULES = ("split", "eval", "train", "pooled", "ttest_pooled", "ttest_train", "wilcoxon_pooled",
+         "alone")
 
 
 def rec_losses(fed, model, x, y):
@@ -58,7 +68,8 @@ def pick(rule, split_k, per):  # per: k -> (train_losses, eval_losses)
 
 
 def run(scenario, seed):
-    cfg = method_config(scenario_config(scenario), "clma_improved", seed)
+    detector = "input_ks" if is_covariate(scenario) else None  # as the README runs them
+    cfg = method_config(scenario_config(scenario), "clma_improved", seed, detector)
     data = cfg.model_dump()
     data["cohort"]["client_choice"] = False
     cfg = validate_config(data)
@@ -75,15 +86,25 @@ def run(scenario, seed):
             base = {c: reg.cohort_of(c) for c in fed.client_ids}
             kids = sorted(res.new_cohorts)
             choice = {r: dict(base) for r in RULES}
-            detail = []
+            alone = [k for k in kids if len(res.new_cohorts[k]) == 1]
+            shared = [k for k in kids if k not in alone]
             for c in ctx.quarantined:
                 tx, ty, ex, ey = SimLearner(fed, fed.clients[c]).data(ctx.round)
-                per = {k: (rec_losses(fed, ctx.models[k], tx, ty),
-                           rec_losses(fed, ctx.models[k], ex, ey)) for k in kids}
-                for r in RULES:
-                    choice[r][c] = pick(r, base[c], per)
-                detail.append((c, len(ty), len(ey), base[c],
-                               {k: round(float(np.concatenate(v).mean()), 3) for k, v in per.items()}))
+                scored = {**{k: ctx.models[k] for k in kids},
+                          "source": ctx.start_models[res.parents[base[c]]]}
+                per = {k: (rec_losses(fed, m, tx, ty), rec_losses(fed, m, ex, ey))
+                       for k, m in scored.items()}
+                sib = [k for k in kids if res.parents[k] == res.parents[base[c]]]
+                for r in RULES[:-1]:  # among every new cohort of the round, any source
+                    choice[r][c] = pick(r, base[c], {k: per[k] for k in kids})
+                if base[c] in alone:  # stay alone (leave-one-out: the source) or join
+                    opts = {k: per[k] for k in shared}
+                    if opts:
+                        opts[base[c]] = per["source"]
+                        choice["alone"][c] = pick("pooled", base[c], opts)
+                elif len([k for k in sib if k in shared]) >= 2:
+                    choice["alone"][c] = pick("pooled", base[c],
+                                              {k: per[k] for k in sib if k in shared})
             out[ctx.round] = {r: round(drift_event_ari(families, choice[r]), 2) for r in RULES}
         return res
 
