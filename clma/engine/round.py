@@ -433,6 +433,13 @@ class FederationEngine:
         data better than the model it drifted from. A cohort of one client is no
         candidate for anyone else (its model is that client's update).
 
+        The moves among the shared new cohorts of one source are applied only if each of
+        them is chosen by more than half of its own members (a failed or malformed reply
+        counts as keeping the split's cohort); otherwise the split stands for all their
+        members, and a client left alone does not join them either: when one model fits
+        every client better than the others (as under covariate drift, where every cohort
+        model keeps the labels) the choice says nothing about the families.
+
         The new cohorts' first models stay as the split made them (released once: under
         DP-FedAvg they were charged); a moved client trains in its chosen cohort from the
         next round. A client that fails, or answers something other than one of its
@@ -468,15 +475,25 @@ class FederationEngine:
         request = ChoiceRequest(ctx.round, candidates, models)
         replies = ask(request)
         reg = self.state.registry
+        chosen = {c: candidates[c][0] for c in candidates}  # failures keep the split's
         for c in sorted(candidates):
-            if c in replies.failed or c not in replies.ok:
+            if c in replies.ok and c not in replies.failed \
+                    and check_choice(replies.ok[c], request, c) is None:
+                chosen[c] = int(replies.ok[c])
+        # a source's shared cohorts keep their clients' moves only if each of them is the
+        # choice of more than half of its own members: else one model fits everyone
+        # better (covariate families: docs/realistic_drift.md section 8) and the split
+        # stands for the whole group
+        held = {k for kids in by_parent.values() if len(kids) >= 2
+                if not all(2 * sum(chosen[c] == j for c in out.new_cohorts[j])
+                           > len(out.new_cohorts[j]) for j in kids)
+                for k in kids}
+        for c in sorted(candidates):
+            k, own = chosen[c], candidates[c][0]
+            if k == own or own in held or k in held:
                 continue
-            if check_choice(replies.ok[c], request, c) is not None:
-                continue
-            k = int(replies.ok[c])
-            if k != candidates[c][0]:
-                reg.move(c, k, ctx.round, reason="client choice")
-                out.moved[c] = k
+            reg.move(c, k, ctx.round, reason="client choice")
+            out.moved[c] = k
         active = set(reg.active_cohorts())
         out.retired = sorted(k for k in out.new_cohorts if k not in active)
         out.new_cohorts = {k: reg.members(k) for k in out.new_cohorts if k in active}

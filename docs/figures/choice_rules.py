@@ -14,7 +14,12 @@ cohorts of the round (of any source cohort) by:
   a client the split left alone chooses between staying alone, scored with its source
   cohort's start model (its cohort's model without its own update), and every new cohort
   of two or more clients of the round (what :meth:`clma.engine.FederationEngine.choose`
-  does since 227d240).
+  does since 227d240);
+* ``majority``: ``alone``, but the moves among a source's shared new cohorts are kept only
+  if each of them keeps the choice of more than half of its own members (else their models
+  do not tell the families apart -- one fits everyone better -- and the split stands),
+  and a client left alone joins a shared cohort only if that cohort's source group kept
+  its moves or was not asked.
 
     OMP_NUM_THREADS=1 python docs/figures/choice_rules.py label2-a05 10 11 12 13 14 15 16 17 19
     OMP_NUM_THREADS=1 python docs/figures/choice_rules.py label2-a03 10 11 12 13 14 15 16 17 19
@@ -22,7 +27,8 @@ cohorts of the round (of any source cohort) by:
 
 Covariate scenarios run with ``drift.detector = "input_ks"`` (as the README runs them).
 
-One line per seed: ``{round: {rule: ARI}}`` (docs/realistic_drift.md section 8).
+One line per seed: ``{round: {rule: ARI, "kept": [share of each asked cohort's members
+choosing it]}}`` (docs/realistic_drift.md section 8).
 """
 import sys
 
@@ -38,7 +44,7 @@ from clma.sim.truth import drift_event_ari
 from flows.experiments.realistic_drift import is_covariate, method_config, scenario_config
 
 RULES = ("split", "eval", "train", "pooled", "ttest_pooled", "ttest_train", "wilcoxon_pooled",
-         "alone")
+         "alone", "majority")
 
 
 def rec_losses(fed, model, x, y):
@@ -95,7 +101,7 @@ def run(scenario, seed):
                 per = {k: (rec_losses(fed, m, tx, ty), rec_losses(fed, m, ex, ey))
                        for k, m in scored.items()}
                 sib = [k for k in kids if res.parents[k] == res.parents[base[c]]]
-                for r in RULES[:-1]:  # among every new cohort of the round, any source
+                for r in RULES[:-2]:  # among every new cohort of the round, any source
                     choice[r][c] = pick(r, base[c], {k: per[k] for k in kids})
                 if base[c] in alone:  # stay alone (leave-one-out: the source) or join
                     opts = {k: per[k] for k in shared}
@@ -105,7 +111,32 @@ def run(scenario, seed):
                 elif len([k for k in sib if k in shared]) >= 2:
                     choice["alone"][c] = pick("pooled", base[c],
                                               {k: per[k] for k in sib if k in shared})
+            # majority: a group of shared siblings keeps its moves only if every cohort of
+            # it keeps more than half of its own members
+            choice["majority"] = dict(choice["alone"])
+            ok = {}
+            for k in shared:
+                sib = [j for j in shared if res.parents[j] == res.parents[k]]
+                stay = sum(choice["alone"][c] == k for c in res.new_cohorts[k])
+                ok[k] = len(sib) < 2 or 2 * stay > len(res.new_cohorts[k])
+            for k in shared:
+                sib = [j for j in shared if res.parents[j] == res.parents[k]]
+                if not all(ok[j] for j in sib):
+                    for c in res.new_cohorts[k]:
+                        choice["majority"][c] = base[c]
+            for k in alone:
+                (c,) = res.new_cohorts[k]
+                target = choice["alone"][c]
+                if target != k and not all(ok[j] for j in shared
+                                           if res.parents[j] == res.parents[target]):
+                    choice["majority"][c] = base[c]
             out[ctx.round] = {r: round(drift_event_ari(families, choice[r]), 2) for r in RULES}
+            # per shared cohort of a group that was asked: the share of its members whose
+            # choice ("alone") is the cohort itself
+            out[ctx.round]["kept"] = sorted(
+                round(sum(choice["alone"][c] == k for c in res.new_cohorts[k])
+                      / len(res.new_cohorts[k]), 2) for k in shared
+                if sum(res.parents[j] == res.parents[k] for j in shared) >= 2)
         return res
 
     eng.cohort = with_choice

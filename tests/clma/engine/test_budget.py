@@ -295,15 +295,15 @@ def test_crash_before_commit_redraws_but_after_commit_republishes_new_cohorts(
     assert len(budget.ledger.entries()) == 1
 
 
-@pytest.mark.parametrize("choice", ["on_their_data", "all_to_the_first"])
+@pytest.mark.parametrize("choice", ["on_their_data", "alone_joins"])
 def test_engine_rerun_of_a_dp_round_republishes_every_model_bitwise(small_config, make_engine,
                                                                     mechanism_draws, choice):
     """The engine's DP-FedAvg round (aggregate -> cohort -> choose -> merge commits the
     charge with every model, the new cohorts' included), OpenDP noise: run again from the
     state before it (a crash after the ledger commit), it trains again but republishes the
     committed models bitwise, draws no noise and charges nothing more. Also when the
-    clients' choice empties a new cohort ("all_to_the_first": every client of the split
-    answers the lowest candidate id, so the other new cohort is retired in the round that
+    clients' choice empties a new cohort ("alone_joins": the split leaves client 5 alone
+    and it joins a shared new cohort, so its cohort of one is retired in the round that
     released its model): that model is committed too, and the re-run draws no fresh noise
     for it."""
     from clma.engine.clients import Replies
@@ -322,7 +322,19 @@ def test_engine_rerun_of_a_dp_round_republishes_every_model_bitwise(small_config
         def choose(self, request):
             if choice == "on_their_data":
                 return super().choose(request)
-            return Replies({c: min(k) for c, k in request.candidates.items()})
+            return Replies({c: (k[1] if c == 5 else k[0])
+                            for c, k in request.candidates.items()})
+
+    class FiveAlone:
+        """The shipped cohorter, with client 5 in a part of its own."""
+
+        def __init__(self, inner):
+            self.inner = inner
+
+        def cohort(self, client_ids, matrix, reference):
+            out = self.inner.cohort(client_ids, matrix, reference)
+            out.assignments[5] = max(out.assignments.values()) + 1
+            return out
 
     cfg = small_config(epsilon_cap=1000.0, enabled=True, noise_seeded=False)
     cfg = _one_epoch_training_only(cfg)
@@ -330,6 +342,8 @@ def test_engine_rerun_of_a_dp_round_republishes_every_model_bitwise(small_config
     engine = make_engine(cfg, budget=True)
     sim = engine.clients.federation
     engine = make_engine(cfg, Flagging(sim), budget=engine.budget)
+    if choice == "alone_joins":
+        engine.cohorter = FiveAlone(engine.cohorter)
     before = snapshot_files(engine.state)
     first = engine.run_round(1)
     assert first.quarantined == 6 and first.new_cohorts
@@ -337,13 +351,15 @@ def test_engine_rerun_of_a_dp_round_republishes_every_model_bitwise(small_config
             for k in e.children]
     retired = [e.parents for e in engine.state.registry.lineage
                if e.kind == "retire" and e.round == 1]
-    if choice == "all_to_the_first":
-        assert len(made) == 2 and retired == [[max(made)]]
-        assert list(first.new_cohorts) == [min(made)]
+    if choice == "alone_joins":
+        assert len(made) == 3 and retired == [[max(made)]]
+        assert sorted(first.new_cohorts) == sorted(made)[:2]
     n = len(mechanism_draws)
     assert n == 1 + len(made)  # the root cohort's noise and each new cohort's
     again = make_engine(cfg, Flagging(sim), budget=open_budget(cfg),
                         state=restore_files(before, 0))
+    if choice == "alone_joins":
+        again.cohorter = FiveAlone(again.cohorter)
     second = again.run_round(1)
     assert len(mechanism_draws) == n
     assert (second.cohorts, second.new_cohorts) == (first.cohorts, first.new_cohorts)

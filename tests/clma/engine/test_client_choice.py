@@ -207,19 +207,24 @@ def test_moves_failures_and_malformed_answers(config, make_engine, scripted_clie
     assert res.cohorts == {k: len(reg.members(k)) for k in reg.active_cohorts()}
 
 
-def test_a_new_cohort_emptied_by_the_choice_is_retired(config, make_engine, scripted_clients):
+def test_when_one_model_draws_every_client_the_split_stands(config, make_engine,
+                                                            scripted_clients):
+    """Every client of the split answers the same cohort (what the loss gives when one
+    model fits everyone better, as under covariate drift): the other cohort keeps none of
+    its own members, so the choice tells nothing about the families and no one moves."""
     def everyone_to_the_larger(req):
         kid = max(sorted({k for v in req.candidates.values() for k in v}))
         return Replies(ok={c: kid for c in req.candidates})
 
-    eng, _, res = _split_round(make_engine, scripted_clients, config(), everyone_to_the_larger)
+    first, _, _ = _split_round(make_engine, scripted_clients, config(client_choice=False))
+    split = {c: first.state.registry.cohort_of(c) for c in range(6)}
+    eng, clients, res = _split_round(make_engine, scripted_clients, config(),
+                                     everyone_to_the_larger)
     reg = eng.state.registry
-    (gone,) = [k for k, r in reg.cohorts.items() if r.status == "retired"]
-    (kept,) = res.new_cohorts
-    assert kept != gone and sorted(reg.members(kept)) == list(range(6))
-    assert gone not in res.cohorts and gone not in eng.state.cohort_models
-    (retire,) = [e for e in reg.lineage if e.kind == "retire"]
-    assert retire.parents == [gone] and retire.reason == "emptied by a move"
+    assert len(clients.asked) == 1 and not res_moved(eng, res)
+    assert {c: reg.cohort_of(c) for c in range(6)} == split
+    assert not [k for k, r in reg.cohorts.items() if r.status == "retired"]
+    assert len(res.new_cohorts) == 2
 
 
 def test_off_in_the_paper_method_and_without_the_call(config, make_engine, scripted_clients):
@@ -293,17 +298,21 @@ def test_a_client_left_alone_stays_alone_when_it_chooses_so_across_source_cohort
     than the two shared ones (two drifting source cohorts in one round): its member
     chooses among every shared new cohort of the round and staying alone (its source's
     start model); the shared cohorts' members choose between their two; nobody is offered
-    the cohort of one. Staying alone keeps it; another answer moves it across sources."""
+    the cohort of one. Staying alone keeps it; another answer moves it across sources,
+    unless the group it would join keeps no majority of its own members ("held")."""
     from types import SimpleNamespace
 
     from clma.rounds import CohortingOutcome
 
-    for answer in ("stay", "join"):
+    for answer in ("stay", "join", "held"):
         cfg = config()
         asked = []
 
         def answers(req, answer=answer, asked=asked):
             asked.append(req)
+            if answer == "held":  # clients 0 and 2 leave a: a keeps none of its own
+                return Replies(ok={c: (k[1] if c in (0, 2, 5) else k[0])
+                                   for c, k in req.candidates.items()})
             return Replies(ok={c: (k[1] if (c == 5 and answer == "join") else k[0])
                                for c, k in req.candidates.items()})
 
@@ -325,8 +334,9 @@ def test_a_client_left_alone_stays_alone_when_it_chooses_so_across_source_cohort
         assert req.candidates == {0: (a, b), 2: (a, b), 1: (b, a), 3: (b, a), 5: (s, a, b)}
         assert req.models[s].tobytes() == other_source.tobytes()
         assert req.models[a].tobytes() == m[a].tobytes()
-        if answer == "stay":
+        if answer in ("stay", "held"):  # held: neither a's clients nor 5 move into a or b
             assert moved == {} and reg.members(s) == [5] and s in ctx.cohorting.new_cohorts
+            assert sorted(reg.members(a)) == [0, 2] and sorted(reg.members(b)) == [1, 3]
         else:
             assert moved == {5: a} and sorted(reg.members(a)) == [0, 2, 5]
             assert ctx.cohorting.retired == [s] and s not in ctx.cohorting.new_cohorts
