@@ -491,7 +491,10 @@ class CohortConfig(_Strict):
         "applied once; the loss never leaves the device); a client choosing another cohort "
         "moves there for the next round. A client the split left alone chooses between "
         "staying alone (scored with the model it drifted from) and every new cohort of two "
-        "or more clients of the round. Mends clients whose update carries too little to "
+        "or more clients of the round. The moves among one source's new cohorts stand only "
+        "if each of them is chosen by more than half of its own members (else one model "
+        "fits everyone better, as under covariate drift, and the split stands). Mends "
+        "clients whose update carries too little to "
         "cluster (docs/realistic_drift.md section 8). False = the split stands "
         "(cohort.method = 'paper').",
     )
