@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from sklearn.metrics import log_loss
 
-from clma.config import validate_config
+from clma.config import validate_config, with_cohort_method
 from clma.device import choose_cohort
 from clma.engine.clients import ChoiceRequest, Replies, check_choice
 
@@ -228,8 +228,8 @@ def test_when_one_model_draws_every_client_the_split_stands(config, make_engine,
 
 
 def test_off_in_the_paper_method_and_without_the_call(config, make_engine, scripted_clients):
-    paper = validate_config({**config().model_dump(), "cohort": {
-        **config().model_dump()["cohort"], "method": "paper", "client_choice": False}})
+    paper = validate_config(with_cohort_method(config().model_dump(), "paper"))
+    assert paper.cohort.client_choice is False and paper.cohort.components == "variance"
     eng, clients, res = _split_round(make_engine, scripted_clients, paper)
     assert clients.asked == [] and not res_moved(eng, res)
     assert validate_config({"cohort": {"method": "paper"}}).cohort.client_choice is False
