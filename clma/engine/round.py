@@ -463,12 +463,12 @@ class FederationEngine:
                 models[k] = ctx.models[k]
                 for c in out.new_cohorts[k]:
                     candidates[int(c)] = (k, *[j for j in kids if j != k])
-        if shared:
+        if shared and alone:
+            models.update({j: ctx.models[j] for j in shared})
             for k in alone:
                 (c,) = out.new_cohorts[k]
                 candidates[int(c)] = (k, *shared)
                 models[k] = ctx.start_models[out.parents[k]]  # leave-one-out: no update
-                models.update({j: ctx.models[j] for j in shared})
         ask = getattr(self.clients, "choose", None)
         if not candidates or ask is None:
             return {}
