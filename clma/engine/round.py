@@ -430,8 +430,12 @@ class FederationEngine:
         the source cohort's start model -- its cohort's model without its own update (the
         leave-one-out model), since the cohort's model, trained on its update alone, would
         fit it best trivially -- so it stays alone only if no other new cohort fits its
-        data better than the model it drifted from. A cohort of one client is no
-        candidate for anyone else (its model is that client's update).
+        data better than the model it drifted from. So does the one member a split leaves
+        in its source cohort (a drifted client its device did not flag, e.g. one whose
+        loss was already high, or the one client that did not drift), its cohort scored
+        with the model it started the round from; if it moves, its old cohort is retired
+        ("emptied by a move"). A cohort of one client is no candidate for anyone else (its
+        model is that client's update).
 
         The moves among the shared new cohorts of one source are applied only if each of
         them is chosen by more than half of its own members (a failed or malformed reply
@@ -463,18 +467,28 @@ class FederationEngine:
                 models[k] = ctx.models[k]
                 for c in out.new_cohorts[k]:
                     candidates[int(c)] = (k, *[j for j in kids if j != k])
-        if shared and alone:
+        reg = self.state.registry
+        active = set(reg.active_cohorts())
+        # a source cohort the split left with one member: that client's own drift went
+        # unflagged (e.g. its loss was high before) or it alone did not drift; its
+        # cohort's model is now its update alone, so it chooses as a client left alone
+        left = [p for p in sorted(set(out.parents.values()))
+                if p in active and p not in out.new_cohorts and len(reg.members(p)) == 1]
+        if shared and (alone or left):
             models.update({j: ctx.models[j] for j in shared})
             for k in alone:
                 (c,) = out.new_cohorts[k]
                 candidates[int(c)] = (k, *shared)
                 models[k] = ctx.start_models[out.parents[k]]  # leave-one-out: no update
+            for p in left:
+                (c,) = reg.members(p)
+                candidates[int(c)] = (p, *shared)
+                models[p] = ctx.start_models[p]  # the model it started the round from
         ask = getattr(self.clients, "choose", None)
         if not candidates or ask is None:
             return {}
         request = ChoiceRequest(ctx.round, candidates, models)
         replies = ask(request)
-        reg = self.state.registry
         chosen = {c: candidates[c][0] for c in candidates}  # failures keep the split's
         for c in sorted(candidates):
             if c in replies.ok and c not in replies.failed \

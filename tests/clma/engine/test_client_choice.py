@@ -7,6 +7,8 @@ choice each device's data gives."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from sklearn.metrics import log_loss
@@ -340,3 +342,56 @@ def test_a_client_left_alone_stays_alone_when_it_chooses_so_across_source_cohort
         else:
             assert moved == {5: a} and sorted(reg.members(a)) == [0, 2, 5]
             assert ctx.cohorting.retired == [s] and s not in ctx.cohorting.new_cohorts
+
+
+class _Unflagged:
+    """Scripted clients with the drift flag of ``quiet`` clients cleared in round 3 (a
+    drifted device whose detector misses the drift)."""
+
+    quiet: dict[int, set[int]] = {3: {4}}
+
+    def train(self, request):
+        out = super().train(request)
+        for c in self.quiet.get(request.round, ()):
+            if c in out.ok:
+                out.ok[c] = dataclasses.replace(out.ok[c], drift_flag=False)
+        return out
+
+
+def test_the_client_its_cohort_left_alone_chooses_and_joins_its_family(
+        tiny_config, make_engine, scripted_clients):
+    """Both families drift again at round 3; client 4 ("plus") does not flag, so the
+    split takes clients 0 and 2 out of the "plus" cohort and leaves 4 alone in it (its
+    cohort's model would then be its own update). Client 4 is asked to choose between
+    its cohort, scored with the model it started round 3 from, and the round's shared new
+    cohorts; its data choose the "plus" family's new cohort, it moves there and its old
+    cohort is retired ("emptied by a move")."""
+    from tests.clma.engine.conftest import _federation
+
+    drift = {"events": [*DRIFT["events"], *[{**e, "round": 3} for e in DRIFT["events"]]]}
+    cfg = tiny_config(clients=12, rounds=3, drift=drift, training={"local_epochs": 1},
+                      model={"hidden": [32]}, evaluation={"min_cohort": 2})
+    flags = {2: range(6), 3: [0, 1, 2, 3, 5]}
+    clients = _scripted(type("Quiet", (_Unflagged, scripted_clients), {}))(
+        _federation(cfg), flags=flags)
+    eng = make_engine(cfg, clients)
+    eng.run_round(1)
+    eng.run_round(2)
+    reg = eng.state.registry
+    plus = reg.cohort_of(4)
+    assert sorted(reg.members(plus)) == [0, 2, 4]  # round 2 separated the families
+    assert sorted(reg.members(reg.cohort_of(1))) == [1, 3, 5]
+    start = eng.state.cohort_models[plus].copy()  # what client 4 starts round 3 from
+    clients.asked.clear()
+    eng.run_round(3)
+    (req,) = clients.asked
+    splits = [e for e in reg.lineage if e.kind == "split" and e.round == 3]
+    new = sorted(k for e in splits for k in e.children)
+    (family,) = [k for e in splits if e.parents == [plus] for k in e.children]
+    assert req.candidates[4] == (plus, *new)
+    assert req.models[plus].tobytes() == start.tobytes()
+    assert all(plus not in req.candidates[c] for c in req.candidates if c != 4)
+    assert reg.cohort_of(4) == family and sorted(reg.members(family)) == [0, 2, 4]
+    assert reg.cohorts[plus].status == "retired"
+    assert [(e.kind, e.reason) for e in reg.lineage if plus in (*e.parents, *e.children)
+            and e.round == 3][-1] == ("retire", "emptied by a move")
