@@ -3,7 +3,7 @@
 For each watched client and round: the cohort it started the round in, its device's drift
 flag, whether it was quarantined, the cohort it ends the round in and that cohort's size,
 and its accuracy and clipped loss (nats) under that cohort's new model on its local
-evaluation data; per round the number of drift flags and each cohort's size and mean
+evaluation data (and how many records that is); per round the number of drift flags and each cohort's size and mean
 loss; then each split's new cohorts and the clients' choice moves. Simulation
 truth, never part of a release:
 
@@ -71,7 +71,8 @@ def main() -> None:
             print(f"round {r} client {c}: started in {u.cohort_id if u else '-'}, "
                   f"flag {u.drift_flag if u else '-'}, quarantined {c in ctx.quarantined}, "
                   f"ends in {now[c]} ({len(reg.members(now[c]))} clients), "
-                  f"accuracy {ev[c].accuracy:.3f}, loss {ev[c].loss:.2f}")
+                  f"accuracy {ev[c].accuracy:.3f}, loss {ev[c].loss:.2f} "
+                  f"({ev[c].n_eval} evaluation records)")
         if ctx.cohorting is not None and (ctx.cohorting.new_cohorts or ctx.cohorting.moved):
             print(f"round {r}: new cohorts {ctx.cohorting.new_cohorts}, "
                   f"moved {ctx.cohorting.moved}")
