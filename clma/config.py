@@ -34,6 +34,7 @@ from pydantic import (
 from clma._validation import field_errors
 from clma.drift.cusum import CusumParams
 from clma.drift.input_ks import InputKSParams
+from clma.drift.paired import PairedLossParams
 from clma.drift.river_detectors import ADWINParams, PageHinkleyParams
 from clma.drift.spec import DetectorSpec
 
@@ -181,7 +182,11 @@ class DriftConfig(_Strict):
     ``[drift.cusum]``), ``page_hinkley`` / ``adwin`` (river's detectors, parameters
     ``[drift.page_hinkley]`` / ``[drift.adwin]``; need the ``drift`` extra), ``input_ks``
     (per-feature KS tests of the device's inputs against its reference sample, Bonferroni
-    corrected, or-ed with the loss threshold; parameters ``[drift.input_ks]``). The chosen
+    corrected, or-ed with the loss threshold; parameters ``[drift.input_ks]``),
+    ``paired_loss`` (the loss threshold, confirmed on the model the device received the
+    round before: a rise flags only if that model also fits the current records worse, by
+    more than ``[drift.paired_loss] min_data_rise`` nats, a change of the data rather than
+    of the model; clma.drift.paired). The chosen
     detector's parameters travel to the devices with the round's training settings.
     """
 
@@ -190,18 +195,21 @@ class DriftConfig(_Strict):
         description="A client flags drift when its local loss rises by more than gamma (nats) "
         "over its previous round (CLMA Algorithm 2; detector = 'loss_threshold').",
     )
-    detector: Literal["loss_threshold", "cusum", "page_hinkley", "adwin", "input_ks"] = Field(
+    detector: Literal["loss_threshold", "cusum", "page_hinkley", "adwin", "input_ks",
+                      "paired_loss"] = Field(
         default="loss_threshold", description="The on-device drift detector.")
     cusum: CusumParams = Field(default_factory=CusumParams)
     page_hinkley: PageHinkleyParams = Field(default_factory=PageHinkleyParams)
     adwin: ADWINParams = Field(default_factory=ADWINParams)
     input_ks: InputKSParams = Field(default_factory=InputKSParams)
+    paired_loss: PairedLossParams = Field(default_factory=PairedLossParams)
     events: list[DriftEvent] = Field(default_factory=list)
 
     def detector_spec(self) -> DetectorSpec:
         """The :class:`clma.drift.DetectorSpec` the devices receive."""
         params = {"cusum": self.cusum, "page_hinkley": self.page_hinkley,
-                  "adwin": self.adwin, "input_ks": self.input_ks}.get(self.detector)
+                  "adwin": self.adwin, "input_ks": self.input_ks,
+                  "paired_loss": self.paired_loss}.get(self.detector)
         return DetectorSpec.of(self.detector, params)
 
 
@@ -462,13 +470,15 @@ class CohortConfig(_Strict):
         "splits are not refined, nor parts whose mean within-part cosines differ by more "
         "than 2x). False = the split as made (cohort.method = 'paper').",
     )
-    one_component: Literal["clusterer", "two_means"] = Field(
+    one_component: Literal["clusterer", "two_means", "tested_two_means"] = Field(
         default="two_means",
         description="With components='broken_stick', a group with exactly one component "
         "above the broken stick: 'two_means' splits it in two along that component (exact "
         "1-D 2-means, groups of at least max(2, min(leading_split_min_size, n // 2)); "
         "undone like a leading split when its sides drift the same way, then refined by "
-        "cosine_refinement); 'clusterer' "
+        "cosine_refinement); 'tested_two_means' does so only if that split is significant "
+        "by the leading split's test at leading_split_alpha (one family's spread of drift "
+        "magnitudes can lift one component above the broken stick); 'clusterer' "
         "(cohort.method = 'paper') lets k-means choose k by silhouette on the one "
         "component, which over-splits two families (docs/realistic_drift.md section 8).",
     )
@@ -862,6 +872,7 @@ CONFIG_ADDITIONS: tuple[tuple[str, Any], ...] = (
     ("cohort.one_component", "clusterer"),
     ("cohort.refit_without_outliers", False),
     ("cohort.client_choice", False),
+    ("drift.paired_loss", {"min_data_rise": 0.1}),
 )
 
 def config_hash(data: Mapping[str, Any]) -> str:

@@ -8,7 +8,8 @@ once:
   loss on the current local data before training feeds the on-device drift detector
   that ``settings.detector`` names (:class:`clma.drift.DetectorSpec`: the loss threshold
   by default, or CUSUM / Page-Hinkley / ADWIN, or the KS test of the device's own inputs
-  ``input_ks``, given :attr:`LocalFit.inputs`; state keyed by round:
+  ``input_ks``, given :attr:`LocalFit.inputs`, or the loss threshold confirmed on the
+  model received the round before ``paired_loss``; state keyed by round:
   :class:`clma.drift.RoundKeyedState`), then local training; the reply holds the model,
   the sample count and the flag bit — never the loss, never the inputs;
 * :func:`quantised_report` — the on-device metric report (:func:`clma.metrics.compute_device_report`),
@@ -63,6 +64,7 @@ __all__ = [
     "LocalLearner",
     "choose_cohort",
     "quantised_report",
+    "records_loss",
     "train_on_device",
 ]
 
@@ -110,16 +112,26 @@ def train_on_device(client_id: int, cohort_id: int, params: np.ndarray, settings
 
     The detector starts from the state of the last round before ``round_number``, so a
     round asked again (server retry) gives the same flag; a detector that tests inputs
-    gets ``fit.inputs`` and the seed ``(client_id, round_number)`` for its subsample.
+    gets ``fit.inputs`` and the seed ``(client_id, round_number)`` for its subsample; one
+    that scores the previous model (``paired_loss``) gets the received model and
+    :func:`records_loss` of it and of the model it kept from its previous update.
 
     Raises:
         ValueError: the detector needs inputs and the learner gave none (names
             ``drift.detector``; ``history`` is unchanged). A transport turns it into a
             dropout of this client.
     """
-    fit = learner.fit(np.asarray(params, dtype=np.float32), settings, round_number)
+    received = np.asarray(params, dtype=np.float32)
+    fit = learner.fit(received, settings, round_number)
     det = settings.detector.restore(history.before(round_number), settings.drift_gamma)
-    if det.needs_inputs:
+    if det.needs_previous_model:
+        previous = det.previous_model  # type: ignore[attr-defined]
+        flag = bool(det.update(  # type: ignore[call-arg]
+            fit.pre_loss, model=received,
+            reference=records_loss(learner, received, round_number),
+            same_model=(None if previous is None
+                        else records_loss(learner, previous, round_number))))
+    elif det.needs_inputs:
         if fit.inputs is None:
             raise ValueError(f"drift.detector: {settings.detector.kind} needs the device's "
                              "current inputs (LocalFit.inputs) and this learner gives none")
@@ -130,6 +142,23 @@ def train_on_device(client_id: int, cohort_id: int, params: np.ndarray, settings
     history.record(round_number, det.state_dict())
     return ClientUpdate(int(client_id), int(cohort_id), np.asarray(fit.params, dtype=np.float32),
                         int(fit.n_samples), flag)
+
+
+def records_loss(learner: LocalLearner, params: np.ndarray, round_number: int) -> float:
+    """Mean cross-entropy (nats) of the model ``params`` (float32 ``(n_params,)``) on the
+    device's current training records (``learner.predict_training``) or, for a learner
+    without it, its evaluation records (``learner.predict``). Stays on the device.
+
+    Raises:
+        ValueError: no records, or probabilities whose shape does not match the labels.
+    """
+    from clma.drift import mean_cross_entropy
+
+    score = getattr(learner, "predict_training", None)
+    if not callable(score):
+        score = learner.predict
+    proba, labels = score(np.asarray(params, dtype=np.float32), round_number)
+    return mean_cross_entropy(proba, labels, f"learner.{score.__name__}")
 
 
 def choose_cohort(candidates: Sequence[int], models: Mapping[int, np.ndarray],

@@ -467,7 +467,13 @@ class CLMACohorter(Cohorter):
         ``leading_split_family_ratio`` (reason "one component above the broken stick: 2-means
         split"), then refined by ``cosine_refinement``. Why: k-means' silhouette over
         k = 2..10 on one dimension split two families of 15 into 5 groups
-        (docs/realistic_drift.md section 8).
+        (docs/realistic_drift.md section 8). "tested_two_means": as "two_means", only if
+        the 2-means split is significant by the leading split's test
+        (:func:`clma.cohort.split.leading_split_test` at ``leading_split_alpha``; else one
+        group, reason "... not significant"): a component above the broken stick carries
+        more variance than its share, which one family's spread of drift magnitudes can do
+        too (one family of 15 split 4 / 11 at cluster index 0.46, p 0.94:
+        docs/realistic_drift.md section 8).
     refit_without_outliers:
         False (default). When True, the outliers of a group are set aside: with
         ``components="broken_stick"``, a client whose squared score is more than
@@ -539,7 +545,8 @@ class CLMACohorter(Cohorter):
                  leading_split_min_size: int = 5,
                  leading_split_family_ratio: float | None = None,
                  cosine_refinement: bool = False,
-                 one_component: Literal["clusterer", "two_means"] = "clusterer",
+                 one_component: Literal["clusterer", "two_means",
+                                        "tested_two_means"] = "clusterer",
                  refit_without_outliers: bool = False) -> None:
         if not isinstance(clusterer, Clusterer):
             raise TypeError("clusterer: must be a clma.cohort.Clusterer")
@@ -585,8 +592,9 @@ class CLMACohorter(Cohorter):
         self.leading_split_family_ratio = leading_split_family_ratio
         self.cosine_refinement = bool(cosine_refinement)
         self.refit_without_outliers = bool(refit_without_outliers)
-        if one_component not in ("clusterer", "two_means"):
-            raise ValueError("one_component: must be 'clusterer' or 'two_means'")
+        if one_component not in ("clusterer", "two_means", "tested_two_means"):
+            raise ValueError("one_component: must be 'clusterer', 'two_means' or "
+                             "'tested_two_means'")
         self.one_component = one_component
         self.components = components
         self.leading_split_alpha = (None if leading_split_alpha is None
@@ -756,10 +764,15 @@ class CLMACohorter(Cohorter):
                     split = leading_split_test(lead.scores[:, 0], self.leading_split_alpha,
                                                self._split_min_size(len(rows)))
             one = (self.components == "broken_stick" and pca.n_components == 1
-                   and self.one_component == "two_means"
+                   and self.one_component in ("two_means", "tested_two_means")
                    and len(rows) >= 2 * self._split_min_size(len(rows)))
+            one_test = None
             if one:
                 ci, two = cluster_index(pca.scores[:, 0], self._split_min_size(len(rows)))
+                if (self.one_component == "tested_two_means"
+                        and self.leading_split_alpha is not None):
+                    one_test = leading_split_test(pca.scores[:, 0], self.leading_split_alpha,
+                                                  self._split_min_size(len(rows)))
             ratio = None
             if (split is not None and split.significant and disp is not None
                     and self.leading_split_family_ratio is not None):
@@ -771,7 +784,11 @@ class CLMACohorter(Cohorter):
                          and self.leading_split_family_ratio is not None else None)
                 what = (f"one component above the broken stick: 2-means split (cluster "
                         f"index {ci:.3f}")
-                if ratio is not None and ratio >= self.leading_split_family_ratio:
+                if one_test is not None and not one_test.significant:
+                    sub = np.zeros(len(rows), dtype=np.int64)
+                    diag = (direction, rows, 1, pca.retained_variance, 1, {},
+                            f"{what}, p = {one_test.p_value:.4f}) not significant")
+                elif ratio is not None and ratio >= self.leading_split_family_ratio:
                     sub = np.zeros(len(rows), dtype=np.int64)
                     diag = (direction, rows, 1, pca.retained_variance, 1, {},
                             f"{what}) undone: one family (across/within "

@@ -13,6 +13,7 @@ from clma.drift.input_ks import (
     row_summaries,
 )
 from clma.drift.monitor import InferenceDriftMonitor
+from clma.drift.paired import PairedLossDetector, PairedLossParams, mean_cross_entropy
 from clma.drift.river_detectors import (
     ADWINDetector,
     ADWINParams,
@@ -23,6 +24,6 @@ from clma.drift.spec import DETECTOR_KINDS, DetectorSpec
 
 __all__ = ["ADWINDetector", "ADWINParams", "CusumDetector", "CusumParams", "DETECTOR_KINDS",
            "DetectorSpec", "DriftDetector", "InferenceDriftMonitor", "InputKSDetector",
-           "InputKSParams", "LossThresholdDetector",
+           "InputKSParams", "LossThresholdDetector", "PairedLossDetector", "PairedLossParams",
            "PageHinkleyDetector", "PageHinkleyParams", "RoundKeyedState", "check_loss",
-           "cusum_arl", "feature_ks_pvalues", "row_summaries"]
+           "cusum_arl", "feature_ks_pvalues", "mean_cross_entropy", "row_summaries"]

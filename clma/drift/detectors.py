@@ -3,7 +3,9 @@
 :class:`DriftDetector` is the extension point: one detector per client, fed one loss per
 round, returning True when drift is flagged. A detector whose class sets
 ``needs_inputs = True`` (:class:`clma.drift.InputKSDetector`) is also given the device's
-current inputs: ``update(loss, inputs, seed=...)``. Its state is a plain JSON-able dict
+current inputs: ``update(loss, inputs, seed=...)``; one that sets
+``needs_previous_model = True`` (:class:`clma.drift.PairedLossDetector`) is also given the
+received model and two scores of the device's records. Its state is a plain JSON-able dict
 (:meth:`DriftDetector.state_dict`) so the client side of a simulation can persist it
 between flow runs.
 """
@@ -38,6 +40,10 @@ class DriftDetector(ABC):
     """
 
     needs_inputs: ClassVar[bool] = False
+    #: True for a detector that also scores the model the device received the round
+    #: before (:class:`clma.drift.PairedLossDetector`): ``update(loss, model=...,
+    #: reference=..., same_model=...)``.
+    needs_previous_model: ClassVar[bool] = False
 
     @abstractmethod
     def update(self, loss: float) -> bool:

@@ -18,6 +18,7 @@ from typing import Any
 from clma.drift.cusum import CusumDetector, CusumParams, _params
 from clma.drift.detectors import DriftDetector, LossThresholdDetector, check_loss
 from clma.drift.input_ks import InputKSDetector, InputKSParams
+from clma.drift.paired import PairedLossDetector, PairedLossParams
 from clma.drift.river_detectors import (
     ADWINDetector,
     ADWINParams,
@@ -34,6 +35,7 @@ DETECTOR_KINDS: dict[str, tuple[type[DriftDetector], Any]] = {
     "page_hinkley": (PageHinkleyDetector, PageHinkleyParams),
     "adwin": (ADWINDetector, ADWINParams),
     "input_ks": (InputKSDetector, InputKSParams),
+    "paired_loss": (PairedLossDetector, PairedLossParams),
 }
 
 
@@ -43,7 +45,8 @@ class DetectorSpec:
 
     ``kind``: one of :data:`DETECTOR_KINDS`; ``params``: the parameter model's fields as
     sorted ``(name, value)`` pairs (empty for ``loss_threshold``, whose ``gamma`` travels
-    as ``TrainSettings.drift_gamma``, as does ``input_ks``'s). Build one with :meth:`of`.
+    as ``TrainSettings.drift_gamma``, as do ``input_ks``'s and ``paired_loss``'s). Build
+    one with :meth:`of`.
 
     Raises:
         ValueError: unknown kind or a parameter outside its domain (names the field).
@@ -84,14 +87,19 @@ class DetectorSpec:
         """Whether this kind of detector reads the device's inputs (``LocalFit.inputs``)."""
         return bool(DETECTOR_KINDS[self.kind][0].needs_inputs)
 
+    @property
+    def needs_previous_model(self) -> bool:
+        """Whether this kind of detector scores the model received the round before."""
+        return bool(DETECTOR_KINDS[self.kind][0].needs_previous_model)
+
     def build(self, gamma: float) -> DriftDetector:
-        """A fresh detector (``gamma``, nats, is used by ``loss_threshold`` and by
-        ``input_ks``'s loss-threshold rule only)."""
+        """A fresh detector (``gamma``, nats, is used by ``loss_threshold``,
+        ``paired_loss`` and ``input_ks``'s loss-threshold rule only)."""
         det_cls = DETECTOR_KINDS[self.kind][0]
         if det_cls is LossThresholdDetector:
             return LossThresholdDetector(gamma)
-        if det_cls is InputKSDetector:
-            return InputKSDetector(gamma, **dict(self.params))
+        if det_cls in (InputKSDetector, PairedLossDetector):
+            return det_cls(gamma, **dict(self.params))
         return det_cls(**dict(self.params))
 
     def restore(self, state: Mapping[str, Any] | None, gamma: float) -> DriftDetector:
@@ -105,7 +113,7 @@ class DetectorSpec:
             return det
         if isinstance(det, LossThresholdDetector):
             det.load_state_dict({**state, "gamma": float(check_loss(gamma, "gamma"))})
-        elif isinstance(det, InputKSDetector):
+        elif isinstance(det, (InputKSDetector, PairedLossDetector)):
             det.load_state_dict({**state, "params": own["params"], "gamma": det.gamma})
         else:
             det.load_state_dict({**state, "params": own["params"]})

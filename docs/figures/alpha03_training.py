@@ -34,6 +34,7 @@ round, and the minimum ARI per drift event. Simulation truth. docs/realistic_dri
 section 8 has the tables.
 """
 import argparse
+import dataclasses
 import json
 
 import numpy as np
@@ -41,6 +42,7 @@ import torch
 from torch import nn
 
 import clma.engine.round as engine_round
+import clma.rounds as rounds_module
 import clma.sim.clients as sim_clients
 import clma.sim.training as sim_training
 from clma.config import validate_config
@@ -79,6 +81,49 @@ def with_step_age(max_age: int, current: dict):
                 if current["round"] - registry.cohort(c).created_round <= max_age]
 
     return cohorts
+
+
+def with_weight_power(power: float):
+    """``fedavg`` with every weight raised to ``power`` (0: each client counts the same;
+    0.5: square-root weighting; 1: FedAvg's sample-count weights)."""
+    original = rounds_module.fedavg
+
+    def fedavg(vectors, weights):
+        return original(vectors, [float(w) ** power for w in weights])
+
+    return fedavg
+
+
+def with_paired_detector(gamma_data: float):
+    """``train_on_device`` whose flag also needs the data to have changed: the model the
+    device received the round before, scored on its current training records, must fit
+    them worse by more than ``gamma_data`` nats than it fitted the records of that round
+    (a rise of the received model's loss that the previous model does not show is a
+    change of the model, not of the data). Kept per client in the script (no re-runs)."""
+    original = sim_clients.train_on_device
+    previous: dict[int, tuple[np.ndarray, float]] = {}
+    counts = {"paper": 0, "paired": 0}
+
+    def cross_entropy(learner, params, round_number):
+        proba, labels = learner.predict_training(params, round_number)
+        p = np.asarray(proba, dtype=np.float64)[np.arange(labels.size), labels]
+        return float(-np.log(np.clip(p, 1e-12, None)).mean())
+
+    def train(client_id, cohort_id, params, settings, round_number, learner, history):
+        update = original(client_id, cohort_id, params, settings, round_number, learner,
+                          history)
+        now = cross_entropy(learner, params, round_number)
+        flag = update.drift_flag
+        if flag:
+            counts["paper"] += 1
+            if client_id in previous:
+                old_params, old_loss = previous[client_id]
+                flag = cross_entropy(learner, old_params, round_number) - old_loss > gamma_data
+            counts["paired"] += int(flag)
+        previous[client_id] = (np.asarray(params, dtype=np.float32).copy(), now)
+        return dataclasses.replace(update, drift_flag=flag)
+
+    return train, counts
 
 
 def with_objective(kind: str, value: float):
@@ -161,6 +206,8 @@ def main() -> None:
     p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=JSON")
     p.add_argument("--step-age", type=int, default=None)
     p.add_argument("--objective", default=None, metavar="la:TAU|prox:MU")
+    p.add_argument("--weight-power", type=float, default=None)
+    p.add_argument("--paired", type=float, default=None, metavar="GAMMA_DATA")
     args = p.parse_args()
     overrides = {k: json.loads(v) for k, v in (s.split("=", 1) for s in args.set)}
     if args.objective:
@@ -168,17 +215,25 @@ def main() -> None:
         if kind not in ("la", "prox"):
             p.error("--objective: la:TAU or prox:MU")
         sim_clients.local_train = with_objective(kind, float(value))
+    if args.weight_power is not None:
+        rounds_module.fedavg = with_weight_power(args.weight_power)
+    original_train = sim_clients.train_on_device
     original = engine_round.server_step
     original_cohorts = engine_round.server_step_cohorts
     for scenario in args.scenarios:
         rows = []
         for seed in args.seeds:
+            if args.paired is not None:
+                sim_clients.train_on_device, counts = with_paired_detector(args.paired)
             try:
                 rows.append(run(scenario, seed, args.rounds, overrides, args.momentum,
                                 args.step_age))
             except ValueError as e:  # a Dirichlet draw that never fits
                 print(scenario, seed, "not built:", e, flush=True)
             finally:
+                if args.paired is not None:
+                    sim_clients.train_on_device = original_train
+                    print(scenario, seed, "flags paper / paired", counts, flush=True)
                 engine_round.server_step = original
                 engine_round.server_step_cohorts = original_cohorts
         acc = {r: round(float(np.mean([d[r] for d, _ in rows])), 3) for r in rows[0][0]}

@@ -306,8 +306,43 @@ def test_one_component_two_means_splits_two_families_and_keeps_one_whole(seed):
         assert a["c0"] != a["c15"]
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_tested_two_means_splits_only_a_significant_split(seed):
+    """one_component = "tested_two_means": the one-component 2-means split stands only if
+    the leading split's test finds it significant. One family whose drift magnitudes are
+    spread evenly (0.2w..2w along e0: one component above the broken stick, no gap) is
+    split by "two_means" when the family ratio is off, and kept whole by the test (p far
+    above 0.01); two families 15 + 15 apart by 20 along e0 are split by both the same way."""
+    kw = {"components": "broken_stick", "direction_rule": "none", "leading_split_alpha": 0.01}
+    rng = np.random.default_rng(seed)
+    ref = rng.standard_normal(800).astype(np.float32)
+    x = ref + rng.standard_normal((15, 800))
+    x[:, 0] += np.linspace(0.2, 2.0, 15) * 30.0
+    ids = [f"c{i}" for i in range(15)]
+    x = x.astype(np.float32)
+    assert CLMACohorter(**kw, one_component="two_means").cohort(ids, x, ref).n_cohorts == 2
+    kept = CLMACohorter(**kw, one_component="tested_two_means").cohort(ids, x, ref)
+    assert kept.n_cohorts == 1
+    reason = kept.groups[0].reason
+    assert reason.startswith("one component above the broken stick: 2-means split (cluster ")
+    assert reason.endswith(") not significant")
+    import re
+
+    assert float(re.search(r"p = ([0-9.]+)", reason).group(1)) > 0.1
+    x = ref + rng.standard_normal((30, 800))
+    x[:15, 0] += 20.0
+    ids = [f"c{i}" for i in range(30)]
+    got = [CLMACohorter(**kw, one_component=oc).cohort(ids, x.astype(np.float32), ref)
+           for oc in ("two_means", "tested_two_means")]
+    assert got[0].assignments == got[1].assignments
+    a = got[1].assignments
+    assert len({a[c] for c in ids[:15]}) == 1 and len({a[c] for c in ids[15:]}) == 1
+    assert a["c0"] != a["c15"]
+
+
 def test_one_component_is_refused_outside_its_values():
-    with pytest.raises(ValueError, match="one_component: must be 'clusterer' or 'two_means'"):
+    with pytest.raises(ValueError, match="one_component: must be 'clusterer', 'two_means' or "
+                                         "'tested_two_means'"):
         CLMACohorter(one_component="kmeans")
 
 

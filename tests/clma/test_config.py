@@ -190,7 +190,7 @@ def test_fingerprint_is_sha256_of_canonical_json_and_changes_with_values():
     data = cfg.model_dump(mode="json")
     del data["cohort"]["method"]
     # fields added since the first release, at their legacy values, are left out
-    del data["drift"]["input_ks"]
+    del data["drift"]["input_ks"], data["drift"]["paired_loss"]
     del data["cohort"]["leading_split_alpha"], data["cohort"]["leading_split_min_size"]
     del data["cohort"]["leading_split_family_ratio"], data["cohort"]["cosine_refinement"]
     del data["cohort"]["one_component"], data["cohort"]["refit_without_outliers"]
@@ -204,7 +204,7 @@ def test_fingerprint_is_sha256_of_canonical_json_and_changes_with_values():
     assert _paper().fingerprint() == cfg.fingerprint()
     # today's default method is not the legacy one: its fields are in the fingerprint
     data = default_config().model_dump(mode="json")
-    del data["drift"]["input_ks"], data["cohort"]["leading_split_min_size"]
+    del data["drift"]["input_ks"], data["drift"]["paired_loss"], data["cohort"]["leading_split_min_size"]
     del data["model"]["factory"], data["data"]["source"]
     del data["model"]["weights"], data["data"]["probe"]
     blob = json.dumps(data, sort_keys=True, separators=(",", ":"))

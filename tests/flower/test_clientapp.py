@@ -111,6 +111,39 @@ def test_the_input_ks_detector_runs_on_the_node_as_in_the_simulation(run_id, wor
     assert node == sim.store.load(2).before(4)
 
 
+def test_the_paired_loss_detector_keeps_its_model_in_the_node_state(run_id, world):
+    """The node keeps the model it received in its own state (never sent) and flags as the
+    simulated device does; a worse model of unchanged records does not flag."""
+    from clma.drift import DetectorSpec
+
+    cfg, fed = world
+    app, ctx = make_client_app(), _ctx(cfg, 2)
+    sim = SimulatedClients(fed, client_ids=[2])
+    t = cfg.training
+    settings = TrainSettings(t.local_epochs, t.learning_rate, t.batch_size, cfg.drift.gamma,
+                             detector=DetectorSpec.of("paired_loss"))
+    plain = TrainSettings(t.local_epochs, t.learning_rate, t.batch_size, cfg.drift.gamma)
+    trained = sim.train(TrainRequest(1, {2: 0}, {0: fed.initial_model}, plain)).ok[2].params
+    # round 1 receives a trained model, round 2 the untrained one (far worse on the same
+    # records: the loss threshold flags it, sim_plain below)
+    sim_plain = SimulatedClients(fed, client_ids=[2])
+    flags = []
+    for rnd, model in ((1, trained), (2, fed.initial_model)):
+        req = TrainRequest(rnd, {2: 0}, {0: model}, settings)
+        reply = app(_msg(codec.encode_train_request(req, 2), "train", 102), ctx)
+        got = codec.decode_train_reply(reply.content, round_number=rnd, client_id=2,
+                                       cohort_id=0, n_params=fed.initial_model.shape[0])
+        assert got.drift_flag == sim.train(req).ok[2].drift_flag
+        assert set(reply.content.keys()) == {"clma", "arrays", "metrics"}
+        flags.append(got.drift_flag)
+        plain_flag = sim_plain.train(TrainRequest(rnd, {2: 0}, {0: model}, plain)).ok[2]
+    assert flags == [False, False] and plain_flag.drift_flag
+    node = DeviceState.load(ctx).detector.before(3)
+    assert node["kind"] == "PairedLossDetector" and node["n_model_changes"] == 1
+    assert node["previous_model"]["n_params"] == fed.initial_model.shape[0]
+    assert node == sim.store.load(2).before(3)
+
+
 def test_bad_messages_get_error_replies_and_the_node_keeps_answering(run_id, world):
     cfg, fed = world
     app, ctx = make_client_app(), _ctx(cfg, 1)
