@@ -90,7 +90,7 @@ def test_load_config_reads_toml_and_matches_validate(tmp_path):
         ({"cohort": {"leading_split_family_ratio": 0}}, "cohort.leading_split_family_ratio",
          "greater than 0"),
         ({"cohort": {"one_component": "kmeans"}}, "cohort.one_component",
-         "'clusterer' or 'two_means'"),
+         "'clusterer', 'two_means' or 'tested_two_means'"),
         ({"evaluation": {"epsilon": 0}}, "evaluation.epsilon", "greater than 0"),
         ({"evaluation": {"loss_max": -1}}, "evaluation.loss_max", "greater than 0"),
         ({"divergence": {"action": "ban"}}, "divergence.action", "'report'"),
