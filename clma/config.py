@@ -197,7 +197,11 @@ class DriftConfig(_Strict):
     )
     detector: Literal["loss_threshold", "cusum", "page_hinkley", "adwin", "input_ks",
                       "paired_loss"] = Field(
-        default="loss_threshold", description="The on-device drift detector.")
+        default="paired_loss", description="The on-device drift detector. Default (cohort."
+        "method = 'improved'): 'paired_loss', the loss threshold confirmed on the model "
+        "received the round before (a server step that overshoots makes clients whose data "
+        "did not move see their loss rise: docs/realistic_drift.md section 8); "
+        "cohort.method = 'paper': 'loss_threshold'.")
     cusum: CusumParams = Field(default_factory=CusumParams)
     page_hinkley: PageHinkleyParams = Field(default_factory=PageHinkleyParams)
     adwin: ADWINParams = Field(default_factory=ADWINParams)
@@ -350,10 +354,11 @@ class BudgetConfig(_Strict):
 
 #: The fields each ``cohort.method`` sets when the config does not set them itself (the
 #: "improved" values are the fields' defaults). "paper": CLMA Algorithm 3's component rule
-#: and signed-KS direction groups, FedAvg on every cohort (CODS-COMAD 2024), with the
-#: library's centering and silhouette-chosen k; "improved": broken-stick components, one
-#: group for all quarantined clients, the leading-component split and FedOpt's server
-#: step on drift cohorts (docs/realistic_drift.md: what fails under label skew and why).
+#: and signed-KS direction groups, FedAvg on every cohort and the loss-threshold flag
+#: (CODS-COMAD 2024), with the library's centering and silhouette-chosen k; "improved":
+#: broken-stick components, one group for all quarantined clients, the leading-component
+#: split, FedOpt's server step on drift cohorts and the paired-loss flag
+#: (docs/realistic_drift.md: what fails under label skew and why).
 COHORT_METHODS: dict[str, dict[str, Any]] = {
     "improved": {"cohort.components": "broken_stick", "cohort.direction_rule": "none",
                  "cohort.leading_split_alpha": 0.01,
@@ -363,7 +368,8 @@ COHORT_METHODS: dict[str, dict[str, Any]] = {
                  "cohort.refit_without_outliers": True,
                  "cohort.client_choice": True,
                  "training.server_learning_rate": 1.5,
-                 "training.server_learning_rate_scope": "drift_cohorts"},
+                 "training.server_learning_rate_scope": "drift_cohorts",
+                 "drift.detector": "paired_loss"},
     "paper": {"cohort.components": "variance", "cohort.direction_rule": "auto",
               "cohort.leading_split_alpha": None,
               "cohort.leading_split_family_ratio": None,
@@ -372,7 +378,8 @@ COHORT_METHODS: dict[str, dict[str, Any]] = {
               "cohort.refit_without_outliers": False,
               "cohort.client_choice": False,
               "training.server_learning_rate": 1.0,
-              "training.server_learning_rate_scope": "all"},
+              "training.server_learning_rate_scope": "all",
+              "drift.detector": "loss_threshold"},
 }
 
 
@@ -410,8 +417,9 @@ class CohortConfig(_Strict):
         "cohort.components, cohort.direction_rule, cohort.leading_split_alpha, "
         "cohort.leading_split_family_ratio, cohort.cosine_refinement, cohort.one_component, "
         "cohort.refit_without_outliers, cohort.client_choice, "
-        "training.server_learning_rate and training.server_learning_rate_scope where the "
-        "config does not set them (clma.config.COHORT_METHODS).",
+        "training.server_learning_rate, training.server_learning_rate_scope and "
+        "drift.detector ('paired_loss' / 'loss_threshold') where the config does not set "
+        "them (clma.config.COHORT_METHODS).",
     )
     variance_threshold: Annotated[float, Field(gt=0.0, le=1.0)] = 0.95
     center: bool = True
@@ -947,7 +955,7 @@ class FederationConfig(_Strict):
         if method != "paper":
             return data
         out = dict(data)
-        for section in ("cohort", "training"):
+        for section in ("cohort", "training", "drift"):
             values = {k.split(".", 1)[1]: v for k, v in COHORT_METHODS["paper"].items()
                       if k.startswith(section + ".")}
             given = out.get(section)

@@ -201,7 +201,7 @@ def config_mismatch_message(config: FederationConfig, stored: Mapping[str, Any] 
 
 
 #: Differing fields a refusal names (the rest are counted): enough for every field a
-#: change of ``cohort.method`` sets (clma.config.COHORT_METHODS, 10 with the method).
+#: change of ``cohort.method`` sets (clma.config.COHORT_METHODS, 12 with the method).
 NAMED_DIFFERENCES = 12
 
 

@@ -12,6 +12,7 @@ from clma.config import (
     COHORT_METHODS,
     CohortConfig,
     ConfigError,
+    DriftConfig,
     FederationConfig,
     TrainingConfig,
     default_config,
@@ -254,7 +255,8 @@ def _method_fields(cfg: FederationConfig) -> dict:
             "cohort.refit_without_outliers": cfg.cohort.refit_without_outliers,
             "cohort.client_choice": cfg.cohort.client_choice,
             "training.server_learning_rate": cfg.training.server_learning_rate,
-            "training.server_learning_rate_scope": cfg.training.server_learning_rate_scope}
+            "training.server_learning_rate_scope": cfg.training.server_learning_rate_scope,
+            "drift.detector": cfg.drift.detector}
 
 
 def test_the_shipped_default_runs_the_improved_method():
@@ -265,7 +267,8 @@ def test_the_shipped_default_runs_the_improved_method():
                 "cohort.cosine_refinement": True, "cohort.one_component": "two_means",
                 "cohort.refit_without_outliers": True, "cohort.client_choice": True,
                 "training.server_learning_rate": 1.5,
-                "training.server_learning_rate_scope": "drift_cohorts"}
+                "training.server_learning_rate_scope": "drift_cohorts",
+                "drift.detector": "paired_loss"}
     assert COHORT_METHODS["improved"] == expected
     shipped = default_config()
     assert shipped.cohort.method == "improved" and _method_fields(shipped) == expected
@@ -276,6 +279,12 @@ def test_the_shipped_default_runs_the_improved_method():
     assert (c.components, c.direction_rule, c.leading_split_alpha) == (
         "broken_stick", "none", 0.01)
     assert (t.server_learning_rate, t.server_learning_rate_scope) == (1.5, "drift_cohorts")
+    assert DriftConfig().detector == "paired_loss"
+    # default.toml leaves the detector to the method (a file switched to "paper" then
+    # runs the paper's loss threshold)
+    import tomllib
+
+    assert "detector" not in tomllib.loads((ROOT_CONFIGS / "default.toml").read_text())["drift"]
 
 
 def test_the_paper_method_is_one_field_and_explicit_fields_win():
@@ -284,7 +293,8 @@ def test_the_paper_method_is_one_field_and_explicit_fields_win():
              "cohort.cosine_refinement": False, "cohort.one_component": "clusterer",
              "cohort.refit_without_outliers": False, "cohort.client_choice": False,
              "training.server_learning_rate": 1.0,
-             "training.server_learning_rate_scope": "all"}
+             "training.server_learning_rate_scope": "all",
+             "drift.detector": "loss_threshold"}
     assert COHORT_METHODS["paper"] == paper
     cfg = validate_config({"cohort": {"method": "paper"}})
     assert _method_fields(cfg) == paper

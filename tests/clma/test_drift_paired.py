@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from scipy.special import softmax
 
-from clma.config import FederationConfig
+from clma.config import CONFIG_ADDITIONS, FederationConfig, without_additions
 from clma.device import LocalFit, records_loss, train_on_device
 from clma.drift import (
     DetectorSpec,
@@ -134,11 +134,13 @@ def test_spec_and_config_name_it_and_the_server_parameters_win():
     assert cfg.drift.detector_spec() == spec
     with pytest.raises(ValueError, match="drift.paired_loss.min_data_rise"):
         FederationConfig.model_validate({"drift": {"paired_loss": {"min_data_rise": -1}}})
-    # a config that does not name it keeps the fingerprint it had before the field existed
-    assert "paired_loss" not in json.dumps(
-        __import__("clma.config", fromlist=["without_additions"]).without_additions(
-            FederationConfig().model_dump(mode="json"),
-            __import__("clma.config", fromlist=["CONFIG_ADDITIONS"]).CONFIG_ADDITIONS))
+    # the improved method (the default) runs it, the paper's method the loss threshold
+    assert FederationConfig().drift.detector_spec() == DetectorSpec.of("paired_loss")
+    paper = FederationConfig.model_validate({"cohort": {"method": "paper"}})
+    assert paper.drift.detector_spec() == DetectorSpec()
+    # a config at the legacy parameters keeps the fingerprint it had before the field
+    dump = without_additions(paper.model_dump(mode="json"), CONFIG_ADDITIONS)
+    assert "paired_loss" not in json.dumps(dump)
 
 
 class _Learner:

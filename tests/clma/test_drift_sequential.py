@@ -333,7 +333,7 @@ def _with_drift(**drift):
 
 
 def test_config_selects_the_detector_the_devices_receive():
-    assert default_config().drift.detector_spec() == DetectorSpec()
+    assert default_config().drift.detector_spec() == DetectorSpec.of("paired_loss")
     cfg = _with_drift(detector="cusum", cusum={"k": 0.25, "h": 3.0})
     spec = cfg.drift.detector_spec()
     assert spec.kind == "cusum" and dict(spec.params)["k"] == 0.25
