@@ -7,9 +7,10 @@ once:
 * :func:`train_on_device` — the CLMA client round (Algorithm 2): the received model's
   loss on the current local data before training feeds the on-device drift detector
   that ``settings.detector`` names (:class:`clma.drift.DetectorSpec`: the loss threshold
-  by default, or CUSUM / Page-Hinkley / ADWIN, or the KS test of the device's own inputs
-  ``input_ks``, given :attr:`LocalFit.inputs`, or the loss threshold confirmed on the
-  model received the round before ``paired_loss``; state keyed by round:
+  when the settings name none, or CUSUM / Page-Hinkley / ADWIN, or the KS test of the
+  device's own inputs ``input_ks``, given :attr:`LocalFit.inputs`, or ``paired_loss``, the
+  loss threshold confirmed on the model received the round before, the federation's
+  default under ``cohort.method = "improved"``; state keyed by round:
   :class:`clma.drift.RoundKeyedState`), then local training; the reply holds the model,
   the sample count and the flag bit — never the loss, never the inputs;
 * :func:`quantised_report` — the on-device metric report (:func:`clma.metrics.compute_device_report`),

@@ -32,8 +32,8 @@ library's default method, ``cohort.method = "improved"``: ``cohort.components =
 :func:`clma.rounds.server_step`), ``cfl`` and ``ifca``
 (:mod:`flows.experiments.peers`), ``fedavg`` (``cohort.enabled = false``). On covariate
 scenarios the CLMA methods run once per on-device detector (``drift.detector``:
-:data:`DETECTORS`, the loss-based ``loss_threshold``, ``cusum``, ``page_hinkley``,
-``adwin`` and ``input_ks``, the KS test of each device's own inputs joined with the loss
+:data:`DETECTORS`, the loss-based ``loss_threshold``, ``paired_loss`` (the improved
+method's default), ``cusum``, ``page_hinkley``, ``adwin`` and ``input_ks``, the KS test of each device's own inputs joined with the loss
 threshold), named ``<method>[<detector>]``.
 
 CLMA and FedAvg run through the bare round engine (:class:`clma.engine.FederationEngine`
@@ -102,7 +102,7 @@ IMPROVED_SPLIT_ALPHA = 0.01
 IMPROVED_SERVER_LEARNING_RATE = 1.5
 METHOD_LABELS = {"clma": "CLMA (today)", "clma_improved": "CLMA (improved)", "cfl": "CFL",
                  "ifca": "IFCA", "fedavg": "FedAvg"}
-DETECTORS = ("loss_threshold", "cusum", "page_hinkley", "adwin", "input_ks")
+DETECTORS = ("loss_threshold", "paired_loss", "cusum", "page_hinkley", "adwin", "input_ks")
 PARTITIONS = {"iid": None, "a5": 5.0, "a1": 1.0, "a05": 0.5, "a03": 0.3}
 FAMILIES = ("label2", "label3", "cov-rotnoise", "cov-blurrot")
 SCENARIOS = tuple(f"{f}-{p}" for f in FAMILIES for p in PARTITIONS)
