@@ -41,14 +41,13 @@ zlib-compressed little-endian float32 bytes in base64 (with its shape).
 
 from __future__ import annotations
 
-import base64
-import zlib
 from collections.abc import Sequence
 from typing import Annotated, Any, ClassVar
 
 import numpy as np
 from pydantic import Field
 
+from clma.drift._arrays import decode_array, encode_array
 from clma.drift.cusum import DetectorParams, _params
 from clma.drift.detectors import DriftDetector, check_loss
 
@@ -165,35 +164,6 @@ def feature_ks_pvalues(reference: np.ndarray, current: np.ndarray
     return np.atleast_1d(np.asarray(res.pvalue, dtype=np.float64)), tested
 
 
-def _encode(x: np.ndarray) -> dict[str, Any]:
-    raw = np.ascontiguousarray(x, dtype="<f4").tobytes()
-    return {"shape": [int(s) for s in x.shape], "dtype": "float32",
-            "zlib_b64": base64.b64encode(zlib.compress(raw, 6)).decode("ascii")}
-
-
-def _decode(doc: Any, max_rows: int) -> np.ndarray:
-    field = "state.reference"
-    if not isinstance(doc, dict) or doc.get("dtype") != "float32":
-        raise ValueError(f"{field}: must be {{'shape': [n, d], 'dtype': 'float32', "
-                         "'zlib_b64': ...}")
-    shape = doc.get("shape")
-    if (not isinstance(shape, list) or len(shape) != 2
-            or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in shape)):
-        raise ValueError(f"{field}.shape: must be [n, d] with n, d >= 1")
-    if shape[0] > max_rows:
-        raise ValueError(f"{field}.shape: more rows than params.reference_size")
-    try:
-        raw = zlib.decompress(base64.b64decode(str(doc.get("zlib_b64", "")), validate=True))
-    except (ValueError, zlib.error):
-        raise ValueError(f"{field}.zlib_b64: not base64 of zlib-compressed bytes") from None
-    if len(raw) != 4 * shape[0] * shape[1]:
-        raise ValueError(f"{field}: byte length does not match its shape")
-    x = np.frombuffer(raw, dtype="<f4").reshape(shape).astype(np.float32)
-    if not np.isfinite(x).all():
-        raise ValueError(f"{field}: must be finite")
-    return x
-
-
 class InputKSDetector(DriftDetector):
     """Per-feature KS tests of the device's inputs against a reference sample, Bonferroni
     corrected, or-ed with the loss-threshold rule (module docstring for the method).
@@ -281,7 +251,7 @@ class InputKSDetector(DriftDetector):
     def state_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "params": self.params.model_dump(), "gamma": self.gamma,
                 "previous_loss": self.previous_loss,
-                "reference": None if self.reference is None else _encode(self.reference),
+                "reference": None if self.reference is None else encode_array(self.reference),
                 "last_min_pvalue": self.last_min_pvalue, "last_n_tested": self.last_n_tested,
                 "n_updates": self.n_updates, "n_flags": self.n_flags}
 
@@ -295,7 +265,7 @@ class InputKSDetector(DriftDetector):
         prev = state.get("previous_loss")
         prev = None if prev is None else check_loss(prev, "state.previous_loss")
         ref = state.get("reference")
-        ref = None if ref is None else _decode(ref, params.reference_size)
+        ref = None if ref is None else decode_array(ref, "state.reference", 2, params.reference_size)
         last_p = state.get("last_min_pvalue")
         if last_p is not None:
             last_p = check_loss(last_p, "state.last_min_pvalue")

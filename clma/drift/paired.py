@@ -35,13 +35,12 @@ zlib-compressed base64: one model vector per state kept by
 
 from __future__ import annotations
 
-import base64
-import zlib
 from typing import Annotated, Any, ClassVar
 
 import numpy as np
 from pydantic import Field
 
+from clma.drift._arrays import decode_array, encode_array
 from clma.drift.cusum import DetectorParams, _params
 from clma.drift.detectors import DriftDetector, check_loss
 
@@ -81,31 +80,6 @@ def mean_cross_entropy(probabilities: Any, labels: Any, field: str = "learner") 
         raise ValueError(f"{field}: labels must lie in [0, n_classes)")
     p = proba[np.arange(y.size), y]
     return float(-np.log(np.clip(p, 1e-12, None)).mean())
-
-
-def _encode(v: np.ndarray) -> dict[str, Any]:
-    raw = np.ascontiguousarray(v, dtype="<f4").tobytes()
-    return {"n_params": int(v.size), "dtype": "float32",
-            "zlib_b64": base64.b64encode(zlib.compress(raw, 6)).decode("ascii")}
-
-
-def _decode(doc: Any) -> np.ndarray:
-    field = "state.previous_model"
-    n = doc.get("n_params") if isinstance(doc, dict) else None
-    if (not isinstance(doc, dict) or doc.get("dtype") != "float32" or isinstance(n, bool)
-            or not isinstance(n, int) or n < 1):
-        raise ValueError(f"{field}: must be {{'n_params': n >= 1, 'dtype': 'float32', "
-                         "'zlib_b64': ...}")
-    try:
-        raw = zlib.decompress(base64.b64decode(str(doc.get("zlib_b64", "")), validate=True))
-    except (ValueError, zlib.error):
-        raise ValueError(f"{field}.zlib_b64: not base64 of zlib-compressed bytes") from None
-    if len(raw) != 4 * n:
-        raise ValueError(f"{field}: byte length does not match n_params")
-    v = np.frombuffer(raw, dtype="<f4").astype(np.float32)
-    if not np.isfinite(v).all():
-        raise ValueError(f"{field}: must be finite")
-    return v
 
 
 class PairedLossDetector(DriftDetector):
@@ -204,7 +178,7 @@ class PairedLossDetector(DriftDetector):
         return {"kind": self.kind, "params": self.params.model_dump(), "gamma": self.gamma,
                 "previous_loss": self.previous_loss, "reference": self.reference,
                 "previous_model": (None if self.previous_model is None
-                                   else _encode(self.previous_model)),
+                                   else encode_array(self.previous_model)),
                 "last_data_rise": self.last_data_rise, "n_updates": self.n_updates,
                 "n_flags": self.n_flags, "n_model_changes": self.n_model_changes}
 
@@ -220,7 +194,7 @@ class PairedLossDetector(DriftDetector):
             v = state.get(name)
             values[name] = None if v is None else check_loss(v, f"state.{name}")
         model = state.get("previous_model")
-        model = None if model is None else _decode(model)
+        model = None if model is None else decode_array(model, "state.previous_model", 1)
         counts = {}
         for name in ("n_updates", "n_flags", "n_model_changes"):
             v = state.get(name, 0)

@@ -109,9 +109,12 @@ def test_state_round_trips_as_json_with_the_model_bitwise():
     np.testing.assert_array_equal(back.previous_model, model * 2)
     assert back.previous_model.dtype == np.float32
     assert back.n_model_changes == 1
-    for edit, field in [({"previous_model": {"n_params": 999, "dtype": "float32",
+    assert state["previous_model"]["shape"] == [1000]
+    for edit, field in [({"previous_model": {"shape": [999], "dtype": "float32",
                                              "zlib_b64": state["previous_model"]["zlib_b64"]}},
                          "state.previous_model: byte length"),
+                        ({"previous_model": {**state["previous_model"], "shape": [10, 100]}},
+                         r"state.previous_model.shape: must be \[n\] with n >= 1"),
                         ({"previous_model": None}, "state.previous_model: previous_loss"),
                         ({"n_flags": 5}, "state.n_flags"),
                         ({"reference": "x"}, "state.reference"),

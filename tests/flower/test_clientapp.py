@@ -140,7 +140,7 @@ def test_the_paired_loss_detector_keeps_its_model_in_the_node_state(run_id, worl
     assert flags == [False, False] and plain_flag.drift_flag
     node = DeviceState.load(ctx).detector.before(3)
     assert node["kind"] == "PairedLossDetector" and node["n_model_changes"] == 1
-    assert node["previous_model"]["n_params"] == fed.initial_model.shape[0]
+    assert node["previous_model"]["shape"] == [fed.initial_model.shape[0]]
     assert node == sim.store.load(2).before(3)
 
 
