@@ -767,12 +767,14 @@ class CLMACohorter(Cohorter):
                    and self.one_component in ("two_means", "tested_two_means")
                    and len(rows) >= 2 * self._split_min_size(len(rows)))
             one_test = None
-            if one:
-                ci, two = cluster_index(pca.scores[:, 0], self._split_min_size(len(rows)))
-                if (self.one_component == "tested_two_means"
+            if one and (self.one_component == "tested_two_means"
                         and self.leading_split_alpha is not None):
-                    one_test = leading_split_test(pca.scores[:, 0], self.leading_split_alpha,
-                                                  self._split_min_size(len(rows)))
+                # the test's own 2-means split (the same exact 1-D 2-means), not a second one
+                one_test = leading_split_test(pca.scores[:, 0], self.leading_split_alpha,
+                                              self._split_min_size(len(rows)))
+                ci, two = one_test.cluster_index, one_test.labels
+            elif one:
+                ci, two = cluster_index(pca.scores[:, 0], self._split_min_size(len(rows)))
             ratio = None
             if (split is not None and split.significant and disp is not None
                     and self.leading_split_family_ratio is not None):
