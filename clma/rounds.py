@@ -47,6 +47,7 @@ __all__ = [
     "fedavg",
     "aggregate_per_cohort",
     "server_step",
+    "server_velocity",
     "server_step_cohorts",
     "cohort_quarantined",
     "merge_reconverged",
@@ -188,26 +189,70 @@ def aggregate_per_cohort(
 
 
 def server_step(start_models: Mapping[int, np.ndarray], models: Mapping[int, np.ndarray],
-                server_learning_rate: float) -> dict[int, np.ndarray]:
-    """The server's SGD step on each cohort that started the round: ``start + eta *
-    (aggregate - start)`` in float64, returned as float32 (FedOpt with SGD as the server
-    optimizer: Reddi et al., "Adaptive Federated Optimization", ICLR 2021, Algorithm 1;
-    ``eta`` = 1 is FedAvg). ``start_models`` / ``models``: cohort id -> float32 vector of
-    shape (P,); cohorts without a start model (new this round) are returned unchanged.
+                server_learning_rate: float, *, momentum: float = 0.0,
+                velocity: Mapping[int, np.ndarray] | None = None) -> dict[int, np.ndarray]:
+    """The server's SGD step on each cohort that started the round: ``start + eta * v`` with
+    ``v = momentum * c * velocity[c] + (aggregate - start)`` and ``c = min(1, ||aggregate -
+    start|| / ||velocity[c]||)``, in float64, returned as float32 (FedOpt with SGD as the
+    server optimizer: Reddi et al., "Adaptive Federated Optimization", ICLR 2021,
+    Algorithm 1; with momentum, FedAvgM: Hsu et al., "Measuring the Effects of
+    Non-Identical Data Distribution for Federated Visual Classification", 2019; ``eta`` = 1
+    and ``momentum`` = 0 is FedAvg). The carried velocity is clipped to the length of the
+    round's change (this library's addition), so a step is never longer than ``eta * (1 +
+    momentum)`` times the change: unclipped, a cohort's large first change after a split
+    carried into its next round broke a CNN (docs/realistic_drift.md section 8).
+    ``start_models`` / ``models`` / ``velocity``: cohort id -> float32 vector of shape (P,);
+    a cohort without a velocity (new, or never stepped) has velocity 0; cohorts without a
+    start model (new this round) are returned unchanged. The next round's velocity is
+    :func:`server_velocity` of the returned models.
 
     Raises:
-        ValueError: ``server_learning_rate`` not in (0, 10] (the config's rule).
+        ValueError: ``server_learning_rate`` not in (0, 10] or ``momentum`` not in [0, 1)
+            (the config's rules); a velocity whose shape is not its start model's.
     """
     eta = float(server_learning_rate)
     if not 0.0 < eta <= 10.0:
         raise ValueError("training.server_learning_rate: must be in (0, 10]")
+    beta = float(momentum)
+    if not 0.0 <= beta < 1.0:
+        raise ValueError("training.server_momentum: must be in [0, 1)")
+    velocity = velocity or {}
     out = dict(models)
     for cid, start in start_models.items():
         if cid in out:
             s = np.asarray(start, dtype=np.float64)
-            out[cid] = (s + eta * (np.asarray(out[cid], dtype=np.float64) - s)).astype(
-                np.float32)
+            v = np.asarray(out[cid], dtype=np.float64) - s
+            if beta and cid in velocity:
+                prev = np.asarray(velocity[cid], dtype=np.float64)
+                if prev.shape != s.shape:
+                    raise ValueError(f"velocity: cohort {cid}'s velocity has shape "
+                                     f"{prev.shape}, its model {s.shape}")
+                # the carried velocity counts at most as much as the round's own change
+                scale = min(1.0, float(np.linalg.norm(v)) / max(float(np.linalg.norm(prev)),
+                                                                1e-300))
+                v = beta * scale * prev + v
+            out[cid] = (s + eta * v).astype(np.float32)
     return out
+
+
+def server_velocity(start_models: Mapping[int, np.ndarray], models: Mapping[int, np.ndarray],
+                    server_learning_rate: float) -> dict[int, np.ndarray]:
+    """Each stepped cohort's server-momentum velocity after the round: ``(model - start) /
+    eta`` in float64 from the released float32 ``models``, as float32 (cohort id -> shape
+    (P,), for the cohorts in both mappings). Taken from the released models rather than
+    kept from inside :func:`server_step`, so a re-run that republishes a committed round's
+    models gives the same velocity bitwise, and under DP-FedAvg the velocity is
+    post-processing of released models (no privacy cost).
+
+    Raises:
+        ValueError: ``server_learning_rate`` not in (0, 10].
+    """
+    eta = float(server_learning_rate)
+    if not 0.0 < eta <= 10.0:
+        raise ValueError("training.server_learning_rate: must be in (0, 10]")
+    return {int(c): ((np.asarray(models[c], dtype=np.float64)
+                      - np.asarray(start, dtype=np.float64)) / eta).astype(np.float32)
+            for c, start in start_models.items() if c in models}
 
 
 def server_step_cohorts(registry: CohortRegistry, cohort_ids: Iterable[int],

@@ -84,6 +84,7 @@ from clma.rounds import (
     select_clients,
     server_step,
     server_step_cohorts,
+    server_velocity,
 )
 
 __all__ = ["FederationEngine", "RoundContext", "RoundResult", "make_cohorter"]
@@ -130,6 +131,7 @@ class RoundContext:
     merges: list[tuple[list[int], int]] = field(default_factory=list)
     evaluation: EvaluationOutcome | None = None
     charges: DistributedCharges | None = None
+    stepped: list[int] = field(default_factory=list)
 
     @property
     def participants(self) -> list[int]:
@@ -369,8 +371,8 @@ class FederationEngine:
     def aggregate(self, ctx: RoundContext) -> dict[int, np.ndarray]:
         """FedAvg per cohort over the non-quarantined members (divergence weights
         applied), or DP-FedAvg after the round's training charge; then the server step
-        (``training.server_learning_rate``) on the cohorts of
-        ``training.server_learning_rate_scope``."""
+        (``training.server_learning_rate``, ``training.server_momentum``) on the cohorts of
+        ``training.server_learning_rate_scope`` (without DP: those with a usable update)."""
         if self.config.training.dp.enabled:
             reg = self.state.registry
             n, k = len(self.roster.client_ids), len(ctx.selected)
@@ -383,16 +385,25 @@ class FederationEngine:
         else:
             ctx.models = aggregate_per_cohort(ctx.updates, ctx.quarantined, ctx.start_models,
                                               ctx.weights)
-        eta = self.config.training.server_learning_rate
-        fresh = ctx.training is None or ctx.training.get("status") == "aggregated"
-        if eta != 1.0 and fresh:  # FedOpt's server step (post-processing under DP-FedAvg)
-            stepped = server_step_cohorts(self.state.registry, ctx.start_models,
-                                          self.config.training.server_learning_rate_scope)
-            ctx.models = server_step({c: ctx.start_models[c] for c in stepped}, ctx.models,
-                                     eta)
+        t = self.config.training
+        eta, beta = t.server_learning_rate, t.server_momentum
+        status = "aggregated" if ctx.training is None else ctx.training.get("status")
+        if (eta != 1.0 or beta != 0.0) and status in ("aggregated", "republished"):
+            # FedOpt's server step (post-processing under DP-FedAvg); a republished round's
+            # models were stepped when first committed, and only give the velocity
+            ctx.stepped = server_step_cohorts(self.state.registry, ctx.start_models,
+                                              t.server_learning_rate_scope)
+            if ctx.training is None:  # a cohort nobody updated keeps its model (and velocity)
+                held, w = set(ctx.quarantined), ctx.weights or {}
+                updated = {u.cohort_id for u in ctx.updates
+                           if u.client_id not in held and w.get(u.client_id, 1.0) > 0}
+                ctx.stepped = [c for c in ctx.stepped if c in updated]
+        if ctx.stepped and status == "aggregated":
+            ctx.models = server_step({c: ctx.start_models[c] for c in ctx.stepped},
+                                     ctx.models, eta, momentum=beta,
+                                     velocity=self.state.server_velocity)
             if ctx.training is not None and "released" in ctx.training:
-                # the ledger commits (and a re-run republishes) the stepped models; a
-                # republished round's models were stepped when first committed
+                # the ledger commits (and a re-run republishes) the stepped models
                 ctx.training["released"] = {c: ctx.models[c] for c in ctx.training["released"]}
         return ctx.models
 
@@ -561,10 +572,20 @@ class FederationEngine:
 
     # ---------------------------------------------------------------- 8. end training
     def end_training(self, ctx: RoundContext) -> None:
-        """Install the round's cohort models, record the round in the registry and, under
-        relative cohorting features, the round's updates in the clients' histories."""
+        """Install the round's cohort models (under server momentum, the stepped cohorts'
+        velocities from them), record the round in the registry and, under relative
+        cohorting features, the round's updates in the clients' histories."""
         reg = self.state.registry
-        self.state.cohort_models = {c: ctx.models[c] for c in reg.active_cohorts()}
+        active = set(reg.active_cohorts())
+        self.state.cohort_models = {c: ctx.models[c] for c in sorted(active)}
+        if self.config.training.server_momentum:
+            # from the models as committed (a stored attempt's, if one committed first)
+            velocity = {**self.state.server_velocity, **server_velocity(
+                {c: ctx.start_models[c] for c in ctx.stepped}, ctx.models,
+                self.config.training.server_learning_rate)}
+            self.state.server_velocity = {c: v for c, v in velocity.items() if c in active}
+        else:
+            self.state.server_velocity = {}
         reg.record_round(ctx.round)
         self.record_history(ctx)
 

@@ -80,6 +80,9 @@ class ServerState:
             of its previous stable updates (:class:`clma.cohort.features.UpdateHistory`), a
             function of updates the server already received in the clear; server-internal,
             never published. None otherwise.
+        server_velocity: under ``training.server_momentum`` > 0, active cohort id -> its
+            float32 ``(n_params,)`` server-momentum velocity (:func:`clma.rounds.server_velocity`
+            of its released models); cohorts never stepped have none (velocity 0).
     """
 
     registry: CohortRegistry
@@ -90,6 +93,7 @@ class ServerState:
     selection_key: bytes | None = None
     divergence_persistence: dict[str, dict[int, float]] = field(default_factory=dict)
     update_history: Any = None
+    server_velocity: dict[int, np.ndarray] = field(default_factory=dict)
 
     @classmethod
     def fresh(cls, client_ids: list[int], initial_model: np.ndarray) -> ServerState:
@@ -118,7 +122,8 @@ def snapshot_files(state: ServerState) -> dict[str, bytes]:
     """The state as snapshot files: ``registry.json``, ``models.npz`` (cohort models and
     merge reference, float32), ``evaluation.json`` (null before the first evaluation) and,
     once the sampling key exists, ``selection.json`` (server-internal secret); under
-    relative cohorting features ``update_history.npz`` (server-internal)."""
+    relative cohorting features ``update_history.npz`` (server-internal); under server
+    momentum, once a cohort was stepped, ``velocity.npz`` (float32 per cohort)."""
     buf = io.BytesIO()
     arrays = {f"cohort_{c}": np.asarray(v, dtype=np.float32)
               for c, v in sorted(state.cohort_models.items())}
@@ -141,6 +146,11 @@ def snapshot_files(state: ServerState) -> dict[str, bytes]:
         hbuf = io.BytesIO()
         np.savez(hbuf, **state.update_history.to_arrays())
         out["update_history.npz"] = hbuf.getvalue()
+    if state.server_velocity:
+        vbuf = io.BytesIO()
+        np.savez(vbuf, **{f"cohort_{c}": np.asarray(v, dtype=np.float32)
+                          for c, v in sorted(state.server_velocity.items())})
+        out["velocity.npz"] = vbuf.getvalue()
     return out
 
 
@@ -148,7 +158,8 @@ def restore_files(files: Mapping[str, bytes], rounds_done: int) -> ServerState:
     """Inverse of :func:`snapshot_files`.
 
     Raises:
-        ValueError: the models do not match the registry's active cohorts.
+        ValueError: the models do not match the registry's active cohorts; a velocity of a
+            cohort that is not active or whose shape is not its model's.
     """
     from clma.cohort import CohortRegistry
     from clma.engine.evaluation import EvaluationState
@@ -178,6 +189,15 @@ def restore_files(files: Mapping[str, bytes], rounds_done: int) -> ServerState:
 
         with np.load(io.BytesIO(files["update_history.npz"])) as z:
             history = UpdateHistory.from_arrays({k: z[k] for k in z.files})
+    velocity: dict[int, np.ndarray] = {}
+    if "velocity.npz" in files:
+        with np.load(io.BytesIO(files["velocity.npz"])) as z:
+            velocity = {int(k.split("_", 1)[1]): z[k].astype(np.float32) for k in z.files}
+        for c, v in velocity.items():
+            if c not in models or v.shape != models[c].shape:
+                raise ValueError(f"velocity.npz: cohort {c}'s velocity matches no active "
+                                 "cohort's model")
     return ServerState(registry=registry, cohort_models=models, merge_reference=ref,
                        evaluation=ev, rounds_done=int(rounds_done), selection_key=key,
-                       divergence_persistence=persistence, update_history=history)
+                       divergence_persistence=persistence, update_history=history,
+                       server_velocity=velocity)

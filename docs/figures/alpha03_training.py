@@ -3,9 +3,10 @@
 CLMA (improved) on the realistic-drift scenarios (same config, seed and schedule as
 ``clma experiment realistic-drift``; rounds extended to ``--rounds``), mean drifted and
 minimum ARI over the seeds, per scenario. ``--set SECTION.FIELD=JSON`` overrides a config
-field (e.g. ``training.local_epochs=2``); ``--momentum BETA`` adds server momentum to the
-server step on drift cohorts (FedAvgM: ``v = BETA v + (aggregate - start)``, model ``start
-+ eta v``; Hsu, Qi and Brown 2019; not in the library, patched in here to measure it):
+field (e.g. ``training.local_epochs=2``); ``--momentum BETA`` sets the server momentum of
+the server step on drift cohorts (FedAvgM: ``v = BETA v + (aggregate - start)``, model
+``start + eta v``; Hsu, Qi and Brown 2019): ``training.server_momentum``, the library's
+since issue 46 (default 0.3; before, patched in here with the velocity kept in float64):
 
     OMP_NUM_THREADS=1 python docs/figures/alpha03_training.py --rounds 14 --seeds 10 11 12 13 14
     OMP_NUM_THREADS=1 python docs/figures/alpha03_training.py --set training.server_learning_rate=2.0 --seeds 10 11 12 13 14
@@ -26,8 +27,9 @@ simulation's local training, not in the library:
     OMP_NUM_THREADS=1 python docs/figures/alpha03_training.py --objective la:1.0 --seeds 10 11 12 13 14 15 16 17 18 19
     OMP_NUM_THREADS=1 python docs/figures/alpha03_training.py --objective prox:0.1 --seeds 10 11 12 13 14 15 16 17 18 19
 
-(``server_learning_rate=1.000001``: the engine skips the server step at exactly 1, so
-FedAvgM with eta 1 needs a step that is taken.)
+(``server_learning_rate=1.000001``: when that line was measured the engine skipped the
+server step at exactly 1; since momentum is the library's it takes the step whenever the
+momentum is not 0, so 1.0 now does the same.)
 
 One line per scenario: mean drifted accuracy from round 8 on, each seed's at the last
 round, and the minimum ARI per drift event. Simulation truth. docs/realistic_drift.md
@@ -51,24 +53,6 @@ from clma.sim.clients import SimulatedClients
 from clma.sim.federation import build_federation
 from clma.sim.truth import drift_event_ari
 from flows.experiments.realistic_drift import method_config, scenario_config
-
-
-def with_momentum(beta: float):
-    """``server_step`` with server momentum ``beta`` (velocity per cohort id, zero for a
-    new cohort), and the dict holding the velocities."""
-    velocity: dict[int, np.ndarray] = {}
-
-    def step(start_models, models, eta):
-        out = dict(models)
-        for c, start in start_models.items():
-            if c in out:
-                s = np.asarray(start, dtype=np.float64)
-                v = beta * velocity.get(c, 0.0) + (np.asarray(out[c], dtype=np.float64) - s)
-                velocity[c] = v
-                out[c] = (s + eta * v).astype(np.float32)
-        return out
-
-    return step, velocity
 
 
 def with_step_age(max_age: int, current: dict):
@@ -162,9 +146,11 @@ def with_objective(kind: str, value: float):
     return local_train
 
 
-def run(scenario: str, seed: int, rounds: int, overrides: dict, beta: float,
+def run(scenario: str, seed: int, rounds: int, overrides: dict, beta: float | None,
         step_age: int | None = None):
     data = method_config(scenario_config(scenario), "clma_improved", seed).model_dump()
+    if beta is not None:
+        data["training"]["server_momentum"] = beta
     for path, value in overrides.items():
         section, leaf = path.split(".", 1)
         data[section][leaf] = value
@@ -172,8 +158,6 @@ def run(scenario: str, seed: int, rounds: int, overrides: dict, beta: float,
     cfg = validate_config(data)
     fed = build_federation(cfg)
     clients = SimulatedClients(fed)
-    if beta > 0:
-        engine_round.server_step, _ = with_momentum(beta)
     current = {"round": 0}
     if step_age is not None:
         engine_round.server_step_cohorts = with_step_age(step_age, current)
@@ -202,7 +186,7 @@ def main() -> None:
     p.add_argument("--scenarios", nargs="+", default=["label2-iid", "label2-a03"])
     p.add_argument("--seeds", nargs="+", type=int, required=True)
     p.add_argument("--rounds", type=int, default=10)
-    p.add_argument("--momentum", type=float, default=0.0)
+    p.add_argument("--momentum", type=float, default=None)
     p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=JSON")
     p.add_argument("--step-age", type=int, default=None)
     p.add_argument("--objective", default=None, metavar="la:TAU|prox:MU")
@@ -218,7 +202,6 @@ def main() -> None:
     if args.weight_power is not None:
         rounds_module.fedavg = with_weight_power(args.weight_power)
     original_train = sim_clients.train_on_device
-    original = engine_round.server_step
     original_cohorts = engine_round.server_step_cohorts
     for scenario in args.scenarios:
         rows = []
@@ -234,7 +217,6 @@ def main() -> None:
                 if args.paired is not None:
                     sim_clients.train_on_device = original_train
                     print(scenario, seed, "flags paper / paired", counts, flush=True)
-                engine_round.server_step = original
                 engine_round.server_step_cohorts = original_cohorts
         acc = {r: round(float(np.mean([d[r] for d, _ in rows])), 3) for r in rows[0][0]}
         last = [round(d[args.rounds], 3) for d, _ in rows]

@@ -51,10 +51,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("out", type=Path)
     p.add_argument("runs", nargs="+", metavar="SCENARIO:SEED,SEED")
-    p.add_argument("--momentum", type=float, default=0.0)
+    p.add_argument("--momentum", type=float, default=None,
+                   help="training.server_momentum (default: the library's)")
     args = p.parse_args()
     _capture()
-    original = A.engine_round.server_step
     with open(args.out, "a", encoding="utf-8") as out:
         for item in args.runs:
             scenario, seeds = item.split(":")
@@ -66,8 +66,6 @@ def main() -> None:
                 except ValueError as e:  # a Dirichlet draw that never fits
                     print(scenario, seed, "not built:", e, flush=True)
                     continue
-                finally:
-                    A.engine_round.server_step = original
                 data = A.method_config(A.scenario_config(scenario), "clma_improved",
                                        seed).model_dump()
                 for path, value in over.items():

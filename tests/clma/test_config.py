@@ -197,6 +197,7 @@ def test_fingerprint_is_sha256_of_canonical_json_and_changes_with_values():
     del data["cohort"]["one_component"], data["cohort"]["refit_without_outliers"]
     del data["cohort"]["client_choice"]
     del data["training"]["server_learning_rate"], data["training"]["server_learning_rate_scope"]
+    del data["training"]["server_momentum"]
     del data["model"]["factory"], data["data"]["source"]
     del data["model"]["weights"], data["data"]["probe"]
     blob = json.dumps(data, sort_keys=True, separators=(",", ":"))
@@ -207,7 +208,7 @@ def test_fingerprint_is_sha256_of_canonical_json_and_changes_with_values():
     data = default_config().model_dump(mode="json")
     del data["drift"]["input_ks"], data["drift"]["paired_loss"], data["cohort"]["leading_split_min_size"]
     del data["model"]["factory"], data["data"]["source"]
-    del data["model"]["weights"], data["data"]["probe"]
+    del data["model"]["weights"], data["data"]["probe"], data["training"]["server_momentum"]
     blob = json.dumps(data, sort_keys=True, separators=(",", ":"))
     assert default_config().fingerprint() == hashlib.sha256(blob.encode()).hexdigest()
     split = cfg.model_copy(update={"cohort": cfg.cohort.model_copy(
@@ -278,7 +279,9 @@ def test_the_shipped_default_runs_the_improved_method():
     c, t = CohortConfig(), TrainingConfig()
     assert (c.components, c.direction_rule, c.leading_split_alpha) == (
         "broken_stick", "none", 0.01)
-    assert (t.server_learning_rate, t.server_learning_rate_scope) == (1.5, "drift_cohorts")
+    assert (t.server_learning_rate, t.server_learning_rate_scope, t.server_momentum) == (
+        1.5, "drift_cohorts", 0.0)
+    assert shipped.training.server_momentum == lib.training.server_momentum == 0.0
     assert DriftConfig().detector == "paired_loss"
     # default.toml leaves the detector to the method (a file switched to "paper" then
     # runs the paper's loss threshold)

@@ -526,6 +526,46 @@ def test_server_step_is_start_plus_eta_times_the_aggregate_change():
             server_step(start, agg, bad)
 
 
+def test_server_step_with_momentum_is_fedavgm_with_the_velocity_clipped_to_the_change():
+    """FedAvgM (Hsu et al. 2019) as the server optimizer: v = beta * c * velocity + (agg -
+    start) with c = min(1, ||agg - start|| / ||velocity||), model = start + eta * v (float64,
+    float32 out): the carried velocity never counts more than the round's own change, so a
+    step is at most eta * (1 + beta) times it. A cohort without a velocity starts at 0 (the
+    plain step); server_velocity gives (model - start) / eta back."""
+    from clma.rounds import server_step, server_velocity
+
+    start = {0: np.array([0.0, 1.0, -2.0], np.float32), 3: np.array([1.0, 2.0, 3.0], np.float32),
+             5: np.array([1.0, 1.0, 1.0], np.float32)}
+    agg = {0: np.array([1.0, 0.0, -1.0], np.float32), 3: np.array([4.0, 2.0, 7.0], np.float32),
+           5: np.array([2.0, 2.0, 2.0], np.float32)}
+    # cohort 0: ||velocity|| 1.22 < ||change|| 1.73, carried whole; cohort 3: ||velocity|| 10
+    # against ||change|| 5, carried at half its length
+    vel = {0: np.array([0.5, -1.0, 0.5], np.float32), 3: np.array([0.0, 10.0, 0.0], np.float32)}
+    out = server_step(start, agg, 1.5, momentum=0.25, velocity=vel)
+    # v0 = 0.25 * [0.5, -1, 0.5] + [1, -1, 1];  v3 = 0.25 * 0.5 * [0, 10, 0] + [3, 0, 4]
+    np.testing.assert_array_equal(out[0], np.array([1.6875, -0.875, -0.3125], np.float32))
+    np.testing.assert_array_equal(out[3], np.array([5.5, 3.875, 9.0], np.float32))
+    np.testing.assert_array_equal(out[5], server_step(start, agg, 1.5)[5])  # no velocity
+    np.testing.assert_array_equal(server_step(start, agg, 1.5, momentum=0.0, velocity=vel)[0],
+                                  server_step(start, agg, 1.5)[0])
+    v = server_velocity(start, out, 1.5)
+    np.testing.assert_array_equal(v[3], np.array([3.0, 1.25, 4.0], np.float32))
+    assert v[0].dtype == np.float32 and set(v) == {0, 3, 5}
+    rng = np.random.default_rng(0)
+    for _ in range(50):  # the bound, on random vectors and velocities of any length
+        s0, a0 = rng.normal(size=20), rng.normal(size=20)
+        big = rng.normal(size=20) * rng.uniform(0.01, 100)
+        step = server_step({1: s0}, {1: a0}, 2.0, momentum=0.5, velocity={1: big})[1] - s0
+        assert np.linalg.norm(step) <= 2.0 * 1.5 * np.linalg.norm(a0 - s0) * (1 + 1e-6)
+    for bad in (-0.1, 1.0):
+        with pytest.raises(ValueError, match="training.server_momentum"):
+            server_step(start, agg, 1.5, momentum=bad)
+    with pytest.raises(ValueError, match="cohort 0's velocity"):
+        server_step(start, agg, 1.5, momentum=0.3, velocity={0: np.zeros(2, np.float32)})
+    with pytest.raises(ValueError, match="training.server_learning_rate"):
+        server_velocity(start, out, 0.0)
+
+
 def test_server_step_cohorts_by_scope():
     """drift_cohorts: cohorts with a parent (split children, merges, a merge with the root
     included); the parentless root and a second root are not stepped; all: every id."""

@@ -567,7 +567,7 @@ def test_server_learning_rate_under_dp_fedavg_is_committed_and_republished_once(
     """Under DP-FedAvg the server step post-processes the noisy aggregate: the model the
     round installs and the ledger commits is start + eta * (DP aggregate - start) (seeded
     noise: the eta = 1 run draws the same aggregate), and a re-run republishes it bitwise
-    instead of stepping it again."""
+    instead of stepping it again, with the same momentum velocity."""
     cfg = small_config(epsilon_cap=1000.0, enabled=True, noise_seeded=True)
     cfg = _one_epoch_training_only(cfg)
     cfg = cfg.model_copy(update={"training": cfg.training.model_copy(
@@ -580,7 +580,8 @@ def test_server_learning_rate_under_dp_fedavg_is_committed_and_republished_once(
     assert not np.array_equal(agg, start)
 
     stepped_cfg = cfg.model_copy(update={"training": cfg.training.model_copy(
-        update={"server_learning_rate": 1.5, "server_learning_rate_scope": "all"}),
+        update={"server_learning_rate": 1.5, "server_learning_rate_scope": "all",
+                "server_momentum": 0.3}),
         "budget": cfg.budget.model_copy(
         update={"state_dir": cfg.budget.state_dir + "-eta"})})
     stepped = make_engine(stepped_cfg, budget=True, state=restore_files(before, 0))
@@ -593,3 +594,8 @@ def test_server_learning_rate_under_dp_fedavg_is_committed_and_republished_once(
     again.run_round(1)  # re-run after the commit: the committed (stepped) model, once
     assert len(mechanism_draws) == n
     np.testing.assert_array_equal(again.state.cohort_models[0], want)
+    # the momentum velocity comes from the committed model: the same on the re-run
+    v = stepped.state.server_velocity[0]
+    np.testing.assert_array_equal(v, ((want.astype(np.float64) - start) / 1.5).astype(
+        np.float32))
+    assert again.state.server_velocity[0].tobytes() == v.tobytes()
