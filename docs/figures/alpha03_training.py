@@ -15,6 +15,11 @@ since issue 46 (default 0.3; before, patched in here with the velocity kept in f
     OMP_NUM_THREADS=1 python docs/figures/alpha03_training.py --momentum 0.3 --seeds 15 16 17 18 19
     OMP_NUM_THREADS=1 python docs/figures/alpha03_training.py --momentum 0.3 --scenarios label2-a5 label2-a1 label2-a05 --seeds 10 11 12 13 14
 
+``--data-rise-only`` drops the default flag's loss-rise condition (a flag iff the paired
+data rise exceeds ``min_data_rise``; patched in, not in the library):
+
+    OMP_NUM_THREADS=1 python docs/figures/alpha03_training.py --data-rise-only --scenarios label2-iid label2-a5 label2-a1 label2-a05 label2-a03 --seeds 20 21 22 23 24 25 26 27 28 29
+
 ``--step-age K`` takes the server step only on drift cohorts at most ``K`` rounds old
 (round minus the cohort's creation round). ``--objective la:TAU`` trains every client with
 logit adjustment by its local label prior (cross-entropy of ``logits + TAU log
@@ -146,6 +151,24 @@ def with_objective(kind: str, value: float):
     return local_train
 
 
+def with_data_rise_only() -> None:
+    """The library's ``paired_loss`` flag without its loss-rise condition: a flag iff the
+    paired data rise exceeds ``[drift.paired_loss] min_data_rise`` (patched into
+    :class:`clma.drift.paired.PairedLossDetector`; not in the library)."""
+    from clma.drift import paired
+
+    original = paired.PairedLossDetector.update
+
+    def update(self, loss, **kw):
+        flag = original(self, loss, **kw)
+        rise = self.last_data_rise
+        new = rise is not None and rise > self.params.min_data_rise
+        self.n_flags += int(new) - int(flag)
+        return bool(new)
+
+    paired.PairedLossDetector.update = update
+
+
 def run(scenario: str, seed: int, rounds: int, overrides: dict, beta: float | None,
         step_age: int | None = None):
     data = method_config(scenario_config(scenario), "clma_improved", seed).model_dump()
@@ -192,7 +215,10 @@ def main() -> None:
     p.add_argument("--objective", default=None, metavar="la:TAU|prox:MU")
     p.add_argument("--weight-power", type=float, default=None)
     p.add_argument("--paired", type=float, default=None, metavar="GAMMA_DATA")
+    p.add_argument("--data-rise-only", action="store_true")
     args = p.parse_args()
+    if args.data_rise_only:
+        with_data_rise_only()
     overrides = {k: json.loads(v) for k, v in (s.split("=", 1) for s in args.set)}
     if args.objective:
         kind, value = args.objective.split(":")

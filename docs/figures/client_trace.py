@@ -11,8 +11,8 @@ truth, never part of a release:
     OMP_NUM_THREADS=1 python docs/figures/client_trace.py label2-iid 15 --clients 5 --rounds 12
     OMP_NUM_THREADS=1 python docs/figures/client_trace.py label2-iid 15 --clients 5 --rounds 12 --set training.server_learning_rate=1.0
 
-(``--set SECTION.FIELD=JSON`` overrides a config field; ``--momentum BETA`` adds server
-momentum to the server step as ``alpha03_training.py`` does.)
+(``--set SECTION.FIELD=JSON`` overrides a config field; ``--momentum BETA`` is
+``--set training.server_momentum=BETA``.)
 
 (docs/realistic_drift.md section 8, "The client its cohort leaves behind").
 """
@@ -20,9 +20,7 @@ import argparse
 import json
 
 import numpy as np
-from alpha03_training import with_momentum
 
-import clma.engine.round as engine_round
 from clma.config import validate_config
 from clma.engine import FederationEngine
 from clma.sim.clients import SimulatedClients
@@ -37,10 +35,10 @@ def main() -> None:
     p.add_argument("--clients", nargs="+", type=int, required=True)
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=JSON")
-    p.add_argument("--momentum", type=float, default=0.0)
+    p.add_argument("--momentum", type=float, default=None)
     args = p.parse_args()
-    if args.momentum > 0:
-        engine_round.server_step, _ = with_momentum(args.momentum)
+    if args.momentum is not None:
+        args.set.append(f"training.server_momentum={args.momentum}")
     data = method_config(scenario_config(args.scenario), "clma_improved", args.seed).model_dump()
     data["rounds"] = args.rounds
     for path, value in (item.split("=", 1) for item in args.set):
