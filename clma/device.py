@@ -140,7 +140,8 @@ def train_on_device(client_id: int, cohort_id: int, params: np.ndarray, settings
                                seed=(int(client_id), int(round_number))))
     else:
         flag = bool(det.update(fit.pre_loss))
-    history.record(round_number, det.state_dict())
+    # a detector that keeps a model copy slims the states older than the newest two
+    history.record(round_number, det.state_dict(), slim=getattr(det, "slim_state", None))
     return ClientUpdate(int(client_id), int(cohort_id), np.asarray(fit.params, dtype=np.float32),
                         int(fit.n_samples), flag)
 

@@ -7,14 +7,15 @@ flag could change. :class:`RoundKeyedState` keeps the detector's state per round
 round ``r`` the client starts from the state recorded for the latest round ``< r`` and
 records its new state under ``r`` (replacing a state of a previous attempt at ``r`` and
 dropping any state recorded for a later round), so asking a round again gives the same
-flag as the first time. Only the last ``keep`` states are kept.
+flag as the first time. Only the last ``keep`` states are kept, and a detector may slim
+all but the newest two (:meth:`RoundKeyedState.record`).
 
 State is JSON data: ``{"keep": k, "rounds": {"<round>": <detector state_dict>}}``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 __all__ = ["RoundKeyedState"]
@@ -49,14 +50,24 @@ class RoundKeyedState:
         earlier = [k for k in self._rounds if k < r]
         return None if not earlier else dict(self._rounds[max(earlier)])
 
-    def record(self, round_number: int, state: Mapping[str, Any]) -> None:
-        """Record ``state`` as the state after ``round_number`` (later rounds dropped)."""
+    def record(self, round_number: int, state: Mapping[str, Any], *,
+               slim: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> None:
+        """Record ``state`` as the state after ``round_number`` (later rounds dropped).
+
+        ``slim``: applied to every kept state but the newest two (the only ones a round
+        asked again reads: the state before it and its own), e.g. to drop a detector's
+        copy of a model; a state read after a deeper rollback is then the slimmed one.
+        """
         r = _round(round_number)
         for k in [k for k in self._rounds if k >= r]:
             del self._rounds[k]
         self._rounds[r] = dict(state)
-        for k in sorted(self._rounds)[: max(0, len(self._rounds) - self.keep)]:
+        rounds = sorted(self._rounds)
+        for k in rounds[: max(0, len(rounds) - self.keep)]:
             del self._rounds[k]
+        if slim is not None:
+            for k in sorted(self._rounds)[:-2]:
+                self._rounds[k] = dict(slim(dict(self._rounds[k])))
 
     @property
     def rounds(self) -> list[int]:

@@ -162,6 +162,15 @@ class PairedLossDetector(DriftDetector):
         self.n_model_changes += int(loss_flag and not flag)
         return flag
 
+    @staticmethod
+    def slim_state(state: dict[str, Any]) -> dict[str, Any]:
+        """``state`` (a :meth:`state_dict`) without the kept model: what
+        :class:`clma.drift.RoundKeyedState` keeps for rounds older than the newest two, so
+        a device holds two copies of the model instead of one per kept round. Restored
+        after a rollback that deep, the detector has no previous model (no flag that
+        round, as in a client's first round)."""
+        return {**state, "previous_model": None, "reference": None}
+
     def reset(self) -> None:
         self.previous_loss: float | None = None
         self.reference: float | None = None
@@ -203,11 +212,13 @@ class PairedLossDetector(DriftDetector):
             counts[name] = v
         if counts["n_flags"] + counts["n_model_changes"] > counts["n_updates"]:
             raise ValueError("state.n_flags: n_flags + n_model_changes must be <= n_updates")
-        present = {values["previous_loss"] is not None, values["reference"] is not None,
-                   model is not None, counts["n_updates"] > 0}
-        if len(present) != 1:
-            raise ValueError("state.previous_model: previous_loss, reference and "
-                             "previous_model must be present exactly when n_updates > 0")
+        # previous_loss exactly when n_updates > 0; the model with its reference, both
+        # absent in a slimmed state (slim_state)
+        if ((values["previous_loss"] is not None) != (counts["n_updates"] > 0)
+                or (values["reference"] is not None) != (model is not None)
+                or (model is not None and counts["n_updates"] == 0)):
+            raise ValueError("state.previous_model: previous_loss must be present exactly "
+                             "when n_updates > 0, and reference exactly with previous_model")
         self.params, self.gamma = params, gamma
         self.previous_loss, self.reference = values["previous_loss"], values["reference"]
         self.last_data_rise, self.previous_model = values["last_data_rise"], model

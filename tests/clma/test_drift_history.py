@@ -85,3 +85,21 @@ def test_keep_is_validated(keep):
 def test_malformed_data_is_one_clear_error(data, match):
     with pytest.raises(ValueError, match=match):
         RoundKeyedState.from_dict(data)
+
+
+def test_slim_applies_to_every_kept_state_but_the_newest_two():
+    h = RoundKeyedState(keep=4)
+
+    def slim(state):
+        return {**state, "previous_loss": None}
+
+    for r in range(1, 7):
+        h.record(r, _state(float(r), r), slim=slim)
+    assert h.rounds == [3, 4, 5, 6]
+    assert [h.to_dict()["rounds"][str(r)]["previous_loss"] for r in h.rounds] == [
+        None, None, 5.0, 6.0]
+    h.record(6, _state(9.0, 6), slim=slim)  # round 6 again: 5 and 6 stay whole
+    assert h.before(6)["previous_loss"] == 5.0 and h.before(7)["previous_loss"] == 9.0
+    h.record(7, _state(7.0, 7))  # without slim nothing else changes
+    assert [h.to_dict()["rounds"][str(r)]["previous_loss"] for r in h.rounds] == [
+        None, 5.0, 9.0, 7.0]

@@ -204,3 +204,34 @@ def test_on_the_device_a_worse_model_does_not_flag_and_new_records_do(with_train
     assert hist.rounds == [1, 2, 3]
     # round 4: the cohort's new model fits the new labels: no flag
     assert step(SETTINGS, hist, LABEL1, 4) is False
+
+
+def test_the_device_keeps_the_model_only_in_the_two_newest_states():
+    """RoundKeyedState keeps 4 states; the paired detector's model copy stays in the newest
+    two only (the states a round asked again reads), the older ones slimmed to no model:
+    restored after a rollback that deep, the detector has no previous model and does not
+    flag, like a first round. Asking the newest round again still gives the same flag."""
+    learner = _Learner(np.zeros(6, int))
+    hist = RoundKeyedState()
+
+    def step(model, r):
+        return train_on_device(7, 1, model, SETTINGS, r, learner, hist).drift_flag
+
+    for r in (1, 2, 3):
+        step(GOOD, r)
+    learner.labels[4] = np.ones(6, int)
+    assert step(WORSE, 4) is True
+    doc = json.loads(json.dumps(hist.to_dict()))
+    assert sorted(doc["rounds"]) == ["1", "2", "3", "4"]
+    for r, full in (("1", False), ("2", False), ("3", True), ("4", True)):
+        state = doc["rounds"][r]
+        assert (state["previous_model"] is not None) is full
+        assert (state["reference"] is not None) is full
+        assert state["previous_loss"] is not None and state["n_updates"] == int(r)
+    assert step(WORSE, 4) is True  # asked again: the full state of round 3
+    # a rollback to round 3 reads round 2's slimmed state: no previous model, no flag
+    # (the loss rise alone is 0.56 > gamma), and the new state has the model again
+    slim = PairedLossDetector.from_state_dict(hist.before(3))
+    assert slim.previous_model is None and slim.n_updates == 2
+    assert step(WORSE, 3) is False
+    assert hist.rounds == [1, 2, 3] and hist.before(4)["previous_model"] is not None
