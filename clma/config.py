@@ -114,6 +114,15 @@ class DataConfig(_Strict):
         "data sets (clma/datasets/source.py). None = data.dataset.",
     )
 
+    record_churn: Annotated[float, Field(ge=0.0, lt=1.0)] = Field(
+        default=0.0,
+        description="Simulation only: how much of a device's training data changes between "
+        "rounds. Every round a device trains and scores on a seeded random subset of "
+        "round((1 - record_churn) * n) of its n training records (at least one), a device "
+        "whose records keep arriving and leaving; its evaluation records stay. 0 = the same "
+        "records every round, where a drift flag comparing rounds sees no sampling noise "
+        "(docs/realistic_drift.md section 8).",
+    )
     probe: str | None = Field(
         default=None,
         description="The probe set of the divergence scores from a file: an .npz with a "
@@ -896,6 +905,7 @@ CONFIG_ADDITIONS: tuple[tuple[str, Any], ...] = (
     ("cohort.client_choice", False),
     ("drift.paired_loss", {"min_data_rise": 0.1}),
     ("training.server_momentum", 0.0),
+    ("data.record_churn", 0.0),
 )
 
 def config_hash(data: Mapping[str, Any]) -> str:

@@ -126,18 +126,29 @@ class SimLearner:
     def __init__(self, federation: SimulatedFederation, client: SimClient) -> None:
         self.fed = federation
         self.client = client
-        self._cache: dict[tuple[AppliedDrift, ...], tuple[np.ndarray, ...]] = {}
+        self._cache: dict[tuple[tuple[AppliedDrift, ...], int | None],
+                          tuple[np.ndarray, ...]] = {}
 
     def data(self, round_number: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """Current (drifted) ``train_x, train_y, eval_x, eval_y`` at ``round_number``."""
+        """Current (drifted) ``train_x, train_y, eval_x, eval_y`` at ``round_number``; under
+        ``data.record_churn`` the training records are the round's seeded subset."""
         drifts = tuple(self.fed.drifts_for(self.client.client_id, round_number))
-        hit = self._cache.get(drifts)
+        churn = self.fed.config.data.record_churn
+        key = (drifts, int(round_number) if churn else None)
+        hit = self._cache.get(key)
         if hit is None:
             cl = self.client
             tx, ty = apply_drifts(cl.train_x, cl.train_y, list(drifts), cl.n_classes)
             ex, ey = apply_drifts(cl.eval_x, cl.eval_y, list(drifts), cl.n_classes)
+            if churn:
+                n = int(ty.shape[0])
+                rng = np.random.default_rng(
+                    [self.fed.config.seed, int(round_number), cl.client_id, 13])
+                keep = np.sort(rng.choice(n, max(1, round((1.0 - churn) * n)), replace=False))
+                tx, ty = tx[keep], ty[keep]
             hit = (tx, ty, ex, ey)
-            self._cache = {drifts: hit}  # data only change at drift events: keep the latest
+            self._cache = {key: hit}  # the data change at drift events (and every round
+            # under churn): keep the latest
         return hit  # type: ignore[return-value]
 
     def fit(self, params: np.ndarray, settings: TrainSettings, round_number: int) -> LocalFit:

@@ -197,7 +197,7 @@ def test_fingerprint_is_sha256_of_canonical_json_and_changes_with_values():
     del data["cohort"]["one_component"], data["cohort"]["refit_without_outliers"]
     del data["cohort"]["client_choice"]
     del data["training"]["server_learning_rate"], data["training"]["server_learning_rate_scope"]
-    del data["training"]["server_momentum"]
+    del data["training"]["server_momentum"], data["data"]["record_churn"]
     del data["model"]["factory"], data["data"]["source"]
     del data["model"]["weights"], data["data"]["probe"]
     blob = json.dumps(data, sort_keys=True, separators=(",", ":"))
@@ -209,6 +209,7 @@ def test_fingerprint_is_sha256_of_canonical_json_and_changes_with_values():
     del data["drift"]["input_ks"], data["drift"]["paired_loss"], data["cohort"]["leading_split_min_size"]
     del data["model"]["factory"], data["data"]["source"]
     del data["model"]["weights"], data["data"]["probe"], data["training"]["server_momentum"]
+    del data["data"]["record_churn"]
     blob = json.dumps(data, sort_keys=True, separators=(",", ":"))
     assert default_config().fingerprint() == hashlib.sha256(blob.encode()).hexdigest()
     split = cfg.model_copy(update={"cohort": cfg.cohort.model_copy(

@@ -164,3 +164,35 @@ def test_truth_is_each_clients_cohort_model_on_its_drifted_eval_data(fed):
         assert e.cohort_id == assign[e.client_id] and e.n_eval == ey.shape[0]
         assert e.accuracy == float((proba.argmax(axis=1) == ey).mean())
         assert e.loss == float(np.clip(-np.log(p_true).mean(), 0.0, 5.0))
+
+
+def test_record_churn_gives_each_round_its_own_seeded_subset_of_the_records():
+    """data.record_churn = c: at every round a device's training records are a seeded
+    subset of round((1 - c) n) of its n (drifted) records, the same when asked again and
+    another at the next round; its evaluation records stay. At 0 every round has all."""
+    from clma.sim.clients import SimLearner
+
+    churned = build_federation(CFG.with_overrides(data={**CFG.data.model_dump(),
+                                                        "record_churn": 0.25}))
+    plain = build_federation(CFG)
+    c = 1
+    n = plain.clients[c].train_y.shape[0]
+    lp, lc = SimLearner(plain, plain.clients[c]), SimLearner(churned, churned.clients[c])
+    full = lp.data(2)
+    assert full[1].shape[0] == n and lp.data(1)[1].tobytes() == full[1].tobytes()
+    subsets = {}
+    for r in (1, 2, 3):
+        tx, ty, ex, ey = lc.data(r)
+        assert ty.shape[0] == max(1, round(0.75 * n)) and tx.shape[0] == ty.shape[0]
+        assert ey.tobytes() == lp.data(r)[3].tobytes()  # evaluation records unchanged
+        # rows of the round's (drifted) records, in their order
+        rows = [int(np.flatnonzero((lp.data(r)[0] == x).all(axis=tuple(range(1, x.ndim + 1))))[0])
+                for x in tx]
+        assert rows == sorted(rows) and len(set(rows)) == len(rows)
+        np.testing.assert_array_equal(ty, lp.data(r)[1][rows])
+        subsets[r] = tuple(rows)
+        again = SimLearner(churned, churned.clients[c]).data(r)  # asked again: the same
+        assert again[1].tobytes() == ty.tobytes() and again[0].tobytes() == tx.tobytes()
+    assert len(set(subsets.values())) == 3
+    with pytest.raises(ValueError, match="record_churn"):
+        CFG.with_overrides(data={**CFG.data.model_dump(), "record_churn": 1.0})

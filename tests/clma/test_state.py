@@ -344,7 +344,7 @@ def test_every_field_added_since_the_first_release_is_registered_with_its_legacy
                           "cohort.leading_split_family_ratio", "cohort.cosine_refinement",
                           "cohort.one_component", "cohort.refit_without_outliers",
                           "cohort.client_choice", "drift.paired_loss",
-                          "training.server_momentum"]
+                          "training.server_momentum", "data.record_churn"]
     # decided (issue 46): the default cohorting method changed from the paper's to the
     # improved one, so a config at the defaults no longer resumes a federation from before
     # (refused, naming the fields); with cohort.method = "paper" it does (the paper
