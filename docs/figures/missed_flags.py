@@ -29,12 +29,21 @@ NOW: dict = {"client": None, "round": 0}
 SEEN: dict[tuple[int, int], tuple[float | None, float | None, bool]] = {}
 
 
-def _patch() -> None:
-    fit, update = sim_clients.SimLearner.fit, paired.PairedLossDetector.update
+def note_training_client(now: dict) -> None:
+    """Patch the simulated device's ``fit`` to set ``now["client"]`` to the client that is
+    training (its detector's update follows in the same call)."""
+    fit = sim_clients.SimLearner.fit
 
     def fit_and_note(self, params, settings, round_number):
-        NOW["client"] = self.client.client_id
+        now["client"] = self.client.client_id
         return fit(self, params, settings, round_number)
+
+    sim_clients.SimLearner.fit = fit_and_note
+
+
+def _patch() -> None:
+    note_training_client(NOW)
+    update = paired.PairedLossDetector.update
 
     def update_and_note(self, loss, **kw):
         before = self.previous_loss
@@ -43,7 +52,6 @@ def _patch() -> None:
             None if before is None else float(loss) - before, self.last_data_rise, flag)
         return flag
 
-    sim_clients.SimLearner.fit = fit_and_note
     paired.PairedLossDetector.update = update_and_note
 
 

@@ -11,8 +11,8 @@ Simulation truth, never part of a release (docs/realistic_drift.md section 8).
 import sys
 
 import numpy as np
+from missed_flags import note_training_client
 
-import clma.sim.clients as sim_clients
 from clma.cohort.cohorter import CohortAssignment
 from clma.config import validate_config
 from clma.drift import paired
@@ -27,17 +27,13 @@ NOW: dict = {"client": None, "round": 0, "federation": None}
 
 def _patch() -> None:
     """The device's flag becomes the truth (its detector state still updated)."""
-    fit, update = sim_clients.SimLearner.fit, paired.PairedLossDetector.update
-
-    def fit_and_note(self, params, settings, round_number):
-        NOW["client"] = self.client.client_id
-        return fit(self, params, settings, round_number)
+    note_training_client(NOW)
+    update = paired.PairedLossDetector.update
 
     def true_flag(self, loss, **kw):
         update(self, loss, **kw)
         return NOW["client"] in NOW["federation"].drifted_at(NOW["round"])
 
-    sim_clients.SimLearner.fit = fit_and_note
     paired.PairedLossDetector.update = true_flag
 
 
